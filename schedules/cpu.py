@@ -1,0 +1,97 @@
+"""CPU schedules of the deformable convolution (LLVM targets).
+
+``DefaultCPU`` is the untuned schedule used for any shape that has no tuning record. Its
+structure (design.md section 4):
+
+- the parallel loop is outermost and runs over (batch, tile of output pixels);
+- under it, the sampling geometry of the tile is computed once per offset group, then the tile of
+  sampled columns (every input channel and kernel tap, ``tile`` pixels) is filled, so it is hot in
+  cache when the GEMM reads it;
+- the GEMM accumulates an ``(out_block x tile)`` register block, vectorised along the pixels
+  (contiguous in the NCHW output) and unrolled along output channels, and the bias/cast epilogue
+  is written from that block.
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.target import Target, codegen
+
+def vector_bytes(target: Target) -> int:
+    """Bytes in one SIMD register of the LLVM ``target`` (16 when LLVM cannot tell)."""
+    try:
+        bits = int(codegen.llvm_get_vector_width(target))
+    except Exception:  # noqa: BLE001 - not an LLVM target, or an LLVM without the query
+        bits = 128
+    return max(bits, 128) // 8
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+def _loop_extents(sch: s_tir.Schedule, block) -> list[int]:
+    return [int(sch.get(loop).extent) for loop in sch.get_loops(block)]
+
+
+class DefaultCPU:
+    """The untuned CPU schedule: valid for every shape and dtype the definition produces.
+
+    ``apply(func, target)`` returns a :class:`tvm.s_tir.Schedule`, or ``None`` when ``func`` is
+    not a deformable convolution from :mod:`tvm_deform.definition`.
+    """
+
+    #: output channels held in registers at once (rows of the register block)
+    out_block = 8
+    #: vectors along the pixels in the register block (columns of the register block)
+    vectors_per_tile = 2
+
+    def apply(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
+        sch = s_tir.Schedule(func)
+        try:
+            conv = sch.get_sblock("conv")
+            columns = sch.get_sblock("columns")
+        except Exception:  # noqa: BLE001 - not our PrimFunc
+            return None
+        geometry = [sch.get_sblock(name) for name in ("sample_coef", "sample_cols", "sample_rows")]
+        epilogue = _find_block(sch, "output")
+
+        acc_dtype = str(sch.get(conv).writes[0].source.dtype)
+        lanes = max(1, vector_bytes(target) * 8 // int(acc_dtype.removeprefix("float")))
+        _, out_channels, pixels, _, _ = _loop_extents(sch, conv)
+        tile = min(lanes * self.vectors_per_tile, pixels)
+        out_block = _largest_divisor(out_channels, self.out_block)
+
+        # The register block is accumulated in a local buffer and written out once.
+        acc = sch.cache_write(conv, 0, "local")
+        n, o, p, rc, rk = sch.get_loops(conv)
+        p_outer, p_inner = sch.split(p, [None, tile])
+        o_outer, o_inner = sch.split(o, [None, out_block])
+        sch.reorder(n, p_outer, o_outer, rc, rk, o_inner, p_inner)
+        outer = sch.fuse(n, p_outer)
+        sch.parallel(outer)
+        sch.reverse_compute_at(acc, o_outer)
+        if epilogue is not None:
+            sch.reverse_compute_inline(epilogue)
+
+        # The columns of this pixel tile, then their geometry, just before the GEMM uses them.
+        sch.compute_at(columns, outer)
+        for block in geometry:
+            sch.compute_at(block, outer)
+
+        sch.unroll(o_inner)
+        sch.vectorize(p_inner)
+        sch.vectorize(sch.get_loops(acc)[-1])
+        sch.vectorize(sch.get_loops(columns)[-1])
+        for block in geometry:
+            sch.vectorize(sch.get_loops(block)[-1])
+        # Last: the zero-fill is split off the reduction so that it, too, is vectorised.
+        sch.decompose_reduction(conv, rc)
+        return sch
+
+
+def _find_block(sch: s_tir.Schedule, name: str):
+    try:
+        return sch.get_sblock(name)
+    except Exception:  # noqa: BLE001 - the block is optional
+        return None

@@ -1,0 +1,12 @@
+"""tvm_deform: modulated deformable convolution (DCNv2) compiled by Apache TVM for PyTorch.
+
+``from tvm_deform import deform_conv2d, DeformConv2d`` is a drop-in for torchvision's.
+"""
+
+__version__ = "0.1.0"
+
+from . import env  # noqa: E402,F401 - must run before TVM is imported
+from .modules import DeformConv2d  # noqa: E402
+from .ops import deform_conv2d  # noqa: E402
+
+__all__ = ["DeformConv2d", "__version__", "deform_conv2d"]

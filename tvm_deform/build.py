@@ -1,0 +1,180 @@
+"""Build and dispatch: targets, workload keys, compilation and the kernel caches.
+
+A kernel is compiled the first time a shape is seen, kept in memory for the process, and
+exported as a shared library into the on-disk cache so the next process loads it instead of
+compiling. The disk cache key covers the workload, the target, the TVM and package versions and
+a digest of the definition and schedule sources, so a change to any of them misses the cache
+instead of loading a stale kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import inspect
+import json
+import os
+import platform
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+from . import env  # noqa: F401 - sets TVM's thread variables before TVM is imported
+
+import tvm  # noqa: E402
+from tvm.target import Target, codegen  # noqa: E402
+
+from . import __version__, definition  # noqa: E402
+from .definition import ConvShape  # noqa: E402
+from .schedules.cpu import DefaultCPU  # noqa: E402
+
+Kernel = Callable[..., None]
+
+
+@functools.cache
+def host_cpu() -> str:
+    """The LLVM name of this machine's CPU, e.g. ``znver4``."""
+    return str(codegen.llvm_get_system_cpu())
+
+
+@functools.cache
+def host_target() -> Target:
+    """The LLVM target of this machine.
+
+    ``mcpu`` is the detected CPU; ``mtriple`` is the host's (the TVM wheel's own default triple
+    is its build machine's and makes LLVM reject ``-mcpu=native``); ``num-cores`` is the number
+    of logical cores, which MetaSchedule needs.
+    """
+    arch = platform.machine() or "x86_64"
+    system = {"Linux": "linux-gnu", "Darwin": "apple-darwin"}.get(platform.system(), "unknown")
+    triple = f"{arch}-{system}"
+    return Target(
+        {
+            "kind": "llvm",
+            "mcpu": host_cpu(),
+            "mtriple": triple,
+            "num-cores": os.cpu_count() or 1,
+        }
+    )
+
+
+def hardware_key(target: Target) -> str:
+    """Directory name of ``target``'s tuning logs, e.g. ``llvm/znver4`` or ``cuda/sm_90``."""
+    attrs = target.attrs
+    kind = target.kind.name
+    if kind == "llvm":
+        return f"llvm/{attrs.get('mcpu', 'generic')}"
+    if kind == "cuda":
+        return f"cuda/{attrs.get('arch', 'unknown')}"
+    return kind
+
+
+def workload_key(shape: ConvShape, target: Target) -> str:
+    """A stable text naming one compiled kernel: every shape parameter, the dtype and target."""
+    fields = dataclasses.asdict(shape)
+    fields["target"] = json.loads(json.dumps(dict(target.attrs), default=str)) | {
+        "kind": target.kind.name
+    }
+    return json.dumps(fields, sort_keys=True)
+
+
+@functools.cache
+def _source_digest() -> str:
+    """Digest of the sources that decide what a kernel computes and how it is scheduled."""
+    digest = hashlib.sha256()
+    for source in (definition, DefaultCPU):
+        digest.update(Path(inspect.getfile(source)).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_path(shape: ConvShape, target: Target) -> Path:
+    """Where the on-disk cache keeps the kernel of ``shape`` for ``target``."""
+    text = "\n".join(
+        (workload_key(shape, target), tvm.__version__, __version__, _source_digest())
+    )
+    name = hashlib.sha256(text.encode()).hexdigest()[:32]
+    return env.cache_dir() / f"deform_conv2d-{name}.so"
+
+
+def compile_kernel(shape: ConvShape, target: Target) -> tvm.runtime.Module:
+    """Compile the forward kernel of ``shape`` for ``target`` with the default schedule."""
+    func = definition.forward(shape)
+    sch = DefaultCPU().apply(func, target)
+    if sch is None:
+        raise RuntimeError(f"no schedule applies to {shape}")
+    return tvm.compile(sch.mod, target=target)
+
+
+def _load_cached(path: Path) -> tvm.runtime.Module | None:
+    if not path.exists():
+        return None
+    try:
+        return tvm.runtime.load_module(str(path))
+    except Exception as error:  # noqa: BLE001 - any unreadable entry is rebuilt
+        warnings.warn(f"rebuilding corrupt kernel cache entry {path}: {error}", stacklevel=3)
+        path.unlink(missing_ok=True)
+        return None
+
+
+def _store_cached(module: tvm.runtime.Module, path: Path) -> None:
+    """Write ``module`` to ``path`` atomically: concurrent writers each rename a whole file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
+        os.close(handle)
+        try:
+            module.export_library(temporary)
+            os.replace(temporary, path)
+        finally:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+    except Exception as error:  # noqa: BLE001 - a cache that cannot be written is not fatal
+        warnings.warn(f"could not write kernel cache entry {path}: {error}", stacklevel=3)
+
+
+_memory: dict[tuple[ConvShape, str], Kernel] = {}
+_lock = threading.Lock()
+
+
+def get_kernel(shape: ConvShape, target: Target | None = None) -> Kernel:
+    """The compiled forward kernel of ``shape``: from memory, from disk, or freshly compiled."""
+    target = target or host_target()
+    key = (shape, str(target))
+    kernel = _memory.get(key)
+    if kernel is not None:
+        return kernel
+    with _lock:
+        kernel = _memory.get(key)
+        if kernel is None:
+            module = None
+            path = cache_path(shape, target) if env.cache_enabled() else None
+            if path is not None:
+                module = _load_cached(path)
+            if module is None:
+                module = compile_kernel(shape, target)
+                if path is not None:
+                    _store_cached(module, path)
+            kernel = module["deform_conv2d"]
+            _memory[key] = kernel
+    return kernel
+
+
+def clear_memory_cache() -> None:
+    """Forget the kernels compiled or loaded by this process (the disk cache stays)."""
+    with _lock:
+        _memory.clear()
+
+
+_configured_threads = 0
+
+
+def configure_threads(count: int) -> None:
+    """Make TVM's CPU kernels use ``count`` threads (a no-op when already so)."""
+    global _configured_threads
+    if count != _configured_threads:
+        # Mode 1 ("big cores") with an explicit count: use ``count`` workers of the pool.
+        tvm.get_global_func("runtime.config_threadpool")(1, count)
+        _configured_threads = count

@@ -1,0 +1,148 @@
+"""The ``tvm-deform`` command (also ``python -m tvm_deform``): demo, bench, info."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from . import __version__, build, env
+from .bench import conv_kwargs, measure, random_inputs
+from .definition import ConvShape
+from .ops import deform_conv2d
+
+#: layers timed by ``tvm-deform bench``: name -> shape (3x3, padding 1, with mask, no bias)
+BENCH_LAYERS = {
+    "demo 64x56x56": ConvShape(1, 64, 56, 56, 64, 3, 3, pad_h=1, pad_w=1),
+    "dla34 64x128x128": ConvShape(1, 64, 128, 128, 64, 3, 3, pad_h=1, pad_w=1),
+    "r50 c3 128x100x168": ConvShape(1, 128, 100, 168, 128, 3, 3, pad_h=1, pad_w=1),
+    "r50 c4 256x50x84": ConvShape(1, 256, 50, 84, 256, 3, 3, pad_h=1, pad_w=1),
+    "r50 c5 512x25x42": ConvShape(1, 512, 25, 42, 512, 3, 3, pad_h=1, pad_w=1),
+}
+QUICK_LAYERS = ("demo 64x56x56", "r50 c5 512x25x42")
+
+
+def _torchvision():
+    try:
+        import torchvision.ops
+    except Exception as error:  # noqa: BLE001 - any import failure means "not usable"
+        raise SystemExit(
+            f"this command compares against torchvision, which could not be imported ({error}); "
+            "install the test extra: pip install 'tvm_deform[test]'"
+        ) from None
+    return torchvision.ops
+
+
+def _relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    ours, reference = ours.double(), reference.double()
+    return float((ours - reference).norm() / reference.norm().clamp_min(1e-300))
+
+
+def seed_case() -> tuple[torch.Tensor, ...]:
+    """The seed report's inputs: 2x3x5x5 arange input, ones weight 5x3x3x3, offsets 1, masks 2."""
+    data = torch.arange(150, dtype=torch.float32).reshape(2, 3, 5, 5)
+    weight = torch.ones(5, 3, 3, 3)
+    offset = torch.ones(2, 18, 3, 3)
+    mask = torch.full((2, 9, 3, 3), 2.0)
+    return data, offset, weight, mask
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    tv = _torchvision()
+    data, offset, weight, mask = seed_case()
+    ours = deform_conv2d(data, offset, weight, mask=mask)
+    theirs = tv.deform_conv2d(data, offset, weight, mask=mask)
+    print("Seed case (2x3x5x5 arange input, weight ones, offsets 1.0, masks 2.0):")
+    print(ours[1, 0])
+    print(f"  output[1, 0, 2, 1]: tvm_deform {ours[1, 0, 2, 1].item():.0f}, "
+          f"torchvision {theirs[1, 0, 2, 1].item():.0f} (the accelerator printed 4336)")
+    print(f"  identical to torchvision: {bool(torch.equal(ours, theirs))}")
+    print()
+    shape = BENCH_LAYERS["demo 64x56x56"]
+    print(f"Layer N=1 C=O=64 56x56 3x3 pad 1, random offsets (scale 2), "
+          f"{torch.get_num_threads()} threads:")
+    _bench_rows({"demo 64x56x56": shape}, tv)
+    return 0
+
+
+def _bench_rows(layers: dict[str, ConvShape], tv) -> None:
+    header = (
+        "| layer | torchvision ms | tvm_deform ms | conv2d ms | speed-up vs torchvision "
+        "| x conv2d time | GFLOP/s | rel. error |"
+    )
+    print(header)
+    print("|" + "---|" * 8)
+    for name, shape in layers.items():
+        inputs = random_inputs(shape)
+        kwargs = conv_kwargs(shape)
+        args = (inputs["input"], inputs["offset"], inputs["weight"], inputs["bias"])
+
+        def ours():
+            return deform_conv2d(*args, mask=inputs["mask"], **kwargs)
+
+        def theirs():
+            return tv.deform_conv2d(*args, mask=inputs["mask"], **kwargs)
+
+        def dense():
+            return torch.nn.functional.conv2d(
+                inputs["input"], inputs["weight"], inputs["bias"], groups=shape.weight_groups,
+                **kwargs,
+            )
+
+        with torch.no_grad():
+            error = _relative_error(ours(), theirs())
+            t_ours, t_tv, t_conv = measure(ours), measure(theirs, min_runs=5), measure(dense)
+        gflops = shape.gemm_flops / (t_ours.median_ms * 1e-3) / 1e9
+        print(
+            f"| {name} | {t_tv.median_ms:.2f} | {t_ours.median_ms:.2f} | {t_conv.median_ms:.2f} "
+            f"| {t_tv.median_ms / t_ours.median_ms:.1f}x | {t_ours.median_ms / t_conv.median_ms:.2f} "
+            f"| {gflops:.0f} | {error:.1e} |",
+            flush=True,
+        )
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    tv = _torchvision()
+    names = QUICK_LAYERS if args.quick else tuple(BENCH_LAYERS)
+    print(
+        f"tvm_deform {__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"CPU {build.host_cpu()}; median of >= 10 runs; random offsets N(0, 2^2), mask U[0, 1)"
+    )
+    _bench_rows({name: BENCH_LAYERS[name] for name in names}, tv)
+    return 0
+
+
+def run_info(args: argparse.Namespace) -> int:
+    import tvm
+
+    target = build.host_target()
+    print(f"tvm_deform {__version__}  (TVM {tvm.__version__}, torch {torch.__version__})")
+    print(f"host target:   {target}")
+    print(f"hardware key:  {build.hardware_key(target)}")
+    print(f"threads:       {torch.get_num_threads()} (torch.get_num_threads)")
+    cache = env.cache_dir()
+    state = "on" if env.cache_enabled() else "off"
+    print(f"kernel cache:  {cache} ({state})")
+    for name, description in env.VARIABLES.items():
+        print(f"  {name}={os.environ.get(name, '')!s:<12} {description}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tvm-deform", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("demo", help="the seed case and a realistic layer against torchvision")
+    bench = sub.add_parser("bench", help="time layers against torchvision and dense conv2d")
+    bench.add_argument("--quick", action="store_true", help="two layers only")
+    sub.add_parser("info", help="target, hardware key, cache and environment")
+    args = parser.parse_args(argv)
+    handler = {"demo": run_demo, "bench": run_bench, "info": run_info}[args.command]
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Every environment variable the package reads, declared in one place.
+
+Import this module before TVM: it sets two of TVM's own variables (unless the user set them) that
+must be in place before TVM's CPU thread pool starts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: TVM's thread pool is created with ``TVM_NUM_THREADS`` workers, capped by default at half the
+#: logical cores (one thread on a 2-core machine). We let it hold every core and choose how many
+#: it uses per call (torch's thread count, see ``build.configure_threads``).
+os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
+#: By default TVM pins its workers and the calling thread to cores; the calling thread is torch's
+#: main thread, whose own workers then inherit a one-core affinity and slow every torch op after
+#: our first call. ``TVM_BIND_THREADS=0`` turns the pinning off.
+os.environ.setdefault("TVM_BIND_THREADS", "0")
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_enabled() -> bool:
+    """``TVM_DEFORM_CACHE=0`` turns the on-disk kernel cache off (the in-memory one stays)."""
+    return _flag("TVM_DEFORM_CACHE", True)
+
+
+def cache_dir() -> Path:
+    """``TVM_DEFORM_CACHE_DIR``: where compiled kernels are kept.
+
+    Default: ``$XDG_CACHE_HOME/tvm_deform`` (``~/.cache/tvm_deform``).
+    """
+    explicit = os.environ.get("TVM_DEFORM_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "tvm_deform"
+
+
+#: name -> one-line description, printed by ``tvm-deform info``
+VARIABLES = {
+    "TVM_DEFORM_CACHE": "0 turns the on-disk kernel cache off",
+    "TVM_DEFORM_CACHE_DIR": "directory of the on-disk kernel cache",
+    "TVM_NUM_THREADS": "size of TVM's CPU thread pool (set to all cores by tvm_deform)",
+    "TVM_BIND_THREADS": "1 lets TVM pin threads to cores (tvm_deform sets 0)",
+}

@@ -1,0 +1,181 @@
+"""The torch binding: the ``tvm_deform::deform_conv2d`` custom op and the public function."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import build
+from .definition import ConvShape
+from .validation import as_pair, check_arguments
+
+__all__ = ["deform_conv2d"]
+
+
+def _run_cpu(
+    shape: ConvShape,
+    input: torch.Tensor,
+    offset: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    output = input.new_empty((shape.batch, shape.out_channels, shape.out_h, shape.out_w))
+    if shape.batch == 0:
+        return output
+    kernel = build.get_kernel(shape)
+    build.configure_threads(torch.get_num_threads())
+    pixels = shape.out_h * shape.out_w
+    # .contiguous() returns the tensor itself when it already is; the views below are free, so a
+    # contiguous tensor reaches the kernel without a copy (TVM reads torch memory via DLPack).
+    args = [
+        input.contiguous(),
+        offset.contiguous().view(shape.batch, -1, pixels),
+    ]
+    if mask is not None:
+        args.append(mask.contiguous().view(shape.batch, -1, pixels))
+    args.append(weight.contiguous().view(shape.out_channels, -1, shape.taps))
+    if bias is not None:
+        args.append(bias.contiguous())
+    args.append(output.view(shape.batch, shape.out_channels, pixels))
+    kernel(*args)
+    return output
+
+
+@torch.library.custom_op("tvm_deform::deform_conv2d", mutates_args=(), device_types=None)
+def _deform_conv2d(
+    input: torch.Tensor,
+    offset: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    stride_h: int,
+    stride_w: int,
+    pad_h: int,
+    pad_w: int,
+    dilation_h: int,
+    dilation_w: int,
+) -> torch.Tensor:
+    shape = check_arguments(
+        input,
+        offset,
+        weight,
+        bias,
+        mask,
+        (stride_h, stride_w),
+        (pad_h, pad_w),
+        (dilation_h, dilation_w),
+    )
+    if input.device.type != "cpu":
+        raise NotImplementedError(
+            f"tvm_deform.deform_conv2d has no kernel for {input.device.type} tensors yet "
+            "(CPU only in this version)"
+        )
+    return _run_cpu(shape, input, offset, weight, bias, mask)
+
+
+@_deform_conv2d.register_fake
+def _deform_conv2d_fake(
+    input: torch.Tensor,
+    offset: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    stride_h: int,
+    stride_w: int,
+    pad_h: int,
+    pad_w: int,
+    dilation_h: int,
+    dilation_w: int,
+) -> torch.Tensor:
+    shape = check_arguments(
+        input,
+        offset,
+        weight,
+        bias,
+        mask,
+        (stride_h, stride_w),
+        (pad_h, pad_w),
+        (dilation_h, dilation_w),
+    )
+    return input.new_empty((shape.batch, shape.out_channels, shape.out_h, shape.out_w))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    pass
+
+
+def _backward(ctx, grad_output):
+    raise RuntimeError(
+        "tvm_deform.deform_conv2d has no backward kernels yet: gradients are not computed. "
+        "Use torchvision.ops.deform_conv2d to train, or call this op under torch.no_grad()."
+    )
+
+
+_deform_conv2d.register_autograd(_backward, setup_context=_setup_context)
+
+
+def deform_conv2d(
+    input: torch.Tensor,
+    offset: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride: int | Sequence[int] = (1, 1),
+    padding: int | Sequence[int] = (0, 0),
+    dilation: int | Sequence[int] = (1, 1),
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Modulated deformable 2-D convolution (DCNv2), a drop-in for torchvision's.
+
+    Same signature and same numbers as :func:`torchvision.ops.deform_conv2d`, computed by a
+    kernel that TVM compiled from this package's TensorIR definition (compiled on the first call
+    of each shape, then cached in memory and on disk).
+
+    Args:
+        input: ``[N, C_in, H, W]``.
+        offset: ``[N, 2 * offset_groups * kh * kw, out_h, out_w]``. Channel
+            ``g * 2 * kh * kw + 2 * k`` is the y offset of kernel tap ``k = i * kw + j`` in offset
+            group ``g``, the next channel its x offset. Input channel ``c`` belongs to offset
+            group ``c // (C_in // offset_groups)``.
+        weight: ``[C_out, C_in / groups, kh, kw]``; ``groups = C_in // weight.shape[1]``.
+        bias: ``[C_out]`` or ``None``.
+        stride: int or ``(stride_h, stride_w)``, positive.
+        padding: int or ``(pad_h, pad_w)``, zero padding on both sides, non-negative.
+        dilation: int or ``(dilation_h, dilation_w)``, positive.
+        mask: ``[N, offset_groups * kh * kw, out_h, out_w]`` modulation scalars, or ``None``
+            for DCNv1 (every mask value 1).
+
+    Returns:
+        ``[N, C_out, out_h, out_w]`` with ``out_h = (H + 2 * pad_h - (dilation_h * (kh - 1) + 1))
+        // stride_h + 1`` (likewise ``out_w``), in the input's dtype.
+
+    A sample point ``y = oy * stride_h - pad_h + i * dilation_h + dy`` (likewise x) is zero when
+    ``y <= -1``, ``y >= H``, ``x <= -1`` or ``x >= W``; otherwise it is the bilinear blend of its
+    four neighbours, a neighbour outside the image counting as zero. float16 and bfloat16
+    accumulate in float32; float64 stays float64.
+
+    Raises:
+        TypeError: a non-tensor, a non-float dtype, or tensors of different dtypes.
+        ValueError: a wrong rank or shape, channels that do not divide into the groups, an empty
+            output, a non-positive stride or dilation, a negative padding, or tensors on
+            different devices.
+        NotImplementedError: tensors on a device without kernels (CUDA, in this version).
+    """
+    stride_h, stride_w = as_pair(stride, "stride")
+    pad_h, pad_w = as_pair(padding, "padding")
+    dilation_h, dilation_w = as_pair(dilation, "dilation")
+    # Checked here too so that errors surface from the caller's line, before dispatch.
+    check_arguments(
+        input,
+        offset,
+        weight,
+        bias,
+        mask,
+        (stride_h, stride_w),
+        (pad_h, pad_w),
+        (dilation_h, dilation_w),
+    )
+    return torch.ops.tvm_deform.deform_conv2d(
+        input, offset, weight, bias, mask, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w
+    )
