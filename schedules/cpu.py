@@ -17,6 +17,7 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.target import Target, codegen
 
+
 def vector_bytes(target: Target) -> int:
     """Bytes in one SIMD register of the LLVM ``target`` (16 when LLVM cannot tell)."""
     try:
@@ -51,18 +52,22 @@ class DefaultCPU:
         try:
             conv = sch.get_sblock("conv")
             columns = sch.get_sblock("columns")
+            output = sch.get_sblock("output")
         except Exception:  # noqa: BLE001 - not our PrimFunc
             return None
         geometry = [sch.get_sblock(name) for name in ("sample_coef", "sample_cols", "sample_rows")]
-        epilogue = _find_block(sch, "output")
 
         acc_dtype = str(sch.get(conv).writes[0].source.dtype)
         lanes = max(1, vector_bytes(target) * 8 // int(acc_dtype.removeprefix("float")))
         _, out_channels, pixels, _, _ = _loop_extents(sch, conv)
         tile = min(lanes * self.vectors_per_tile, pixels)
+        if pixels % tile:
+            # Only when pixels <= PIXEL_QUANTUM (the definition pads longer axes): one tile.
+            tile = pixels
         out_block = _largest_divisor(out_channels, self.out_block)
 
-        # The register block is accumulated in a local buffer and written out once.
+        # The register block is accumulated in a local buffer, which the output stage (bias,
+        # cast, dropping the padding pixels) reads directly.
         acc = sch.cache_write(conv, 0, "local")
         n, o, p, rc, rk = sch.get_loops(conv)
         p_outer, p_inner = sch.split(p, [None, tile])
@@ -70,9 +75,8 @@ class DefaultCPU:
         sch.reorder(n, p_outer, o_outer, rc, rk, o_inner, p_inner)
         outer = sch.fuse(n, p_outer)
         sch.parallel(outer)
-        sch.reverse_compute_at(acc, o_outer)
-        if epilogue is not None:
-            sch.reverse_compute_inline(epilogue)
+        sch.compute_inline(acc)
+        sch.reverse_compute_at(output, o_outer)
 
         # The columns of this pixel tile, then their geometry, just before the GEMM uses them.
         sch.compute_at(columns, outer)
@@ -81,17 +85,10 @@ class DefaultCPU:
 
         sch.unroll(o_inner)
         sch.vectorize(p_inner)
-        sch.vectorize(sch.get_loops(acc)[-1])
+        sch.vectorize(sch.get_loops(output)[-1])
         sch.vectorize(sch.get_loops(columns)[-1])
         for block in geometry:
             sch.vectorize(sch.get_loops(block)[-1])
         # Last: the zero-fill is split off the reduction so that it, too, is vectorised.
         sch.decompose_reduction(conv, rc)
         return sch
-
-
-def _find_block(sch: s_tir.Schedule, name: str):
-    try:
-        return sch.get_sblock(name)
-    except Exception:  # noqa: BLE001 - the block is optional
-        return None

@@ -8,9 +8,10 @@ random offsets of a stated scale (never zeros, which would make the gathers regu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -84,3 +85,56 @@ def conv_kwargs(shape: ConvShape) -> dict[str, tuple[int, int]]:
         "padding": (shape.pad_h, shape.pad_w),
         "dilation": (shape.dilation_h, shape.dilation_w),
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One implementation timed on one layer; ``error`` is relative to torchvision."""
+
+    layer: str
+    implementation: str
+    timing: Timing
+    error: float | None
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``|actual - expected| / |expected|`` in float64 (Frobenius norms)."""
+    actual, expected = actual.double(), expected.double()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-300))
+
+
+def compare_layer(name: str, shape: ConvShape, peers: Sequence[str] = ()) -> list[Row]:
+    """Time torchvision, tvm_deform, the named CPU ``peers`` and dense conv2d on ``shape``,
+    side by side on the same random inputs, checking each against torchvision's output."""
+    import torchvision.ops
+
+    from .ops import deform_conv2d
+    from .peers import PEERS
+
+    inputs = random_inputs(shape)
+    kwargs = conv_kwargs(shape)
+    x, offset, weight, bias, mask = (
+        inputs[k] for k in ("input", "offset", "weight", "bias", "mask")
+    )
+    candidates: dict[str, Callable[[], torch.Tensor]] = {
+        "torchvision": lambda: torchvision.ops.deform_conv2d(
+            x, offset, weight, bias, mask=mask, **kwargs
+        ),
+        "tvm_deform": lambda: deform_conv2d(x, offset, weight, bias, mask=mask, **kwargs),
+    }
+    for peer in peers:
+        run = PEERS[peer](shape, weight, bias, torch.get_num_threads())
+        candidates[peer] = functools.partial(run, x, offset, mask)
+    candidates["conv2d (dense)"] = lambda: torch.nn.functional.conv2d(
+        x, weight, bias, groups=shape.weight_groups, **kwargs
+    )
+    rows = []
+    with torch.no_grad():
+        expected = candidates["torchvision"]()
+        for implementation, fn in candidates.items():
+            dense = implementation.startswith("conv2d")
+            error = None if dense else relative_error(fn(), expected)
+            # torchvision is 10-30x slower than the rest: fewer runs keep the total time sane.
+            runs = 5 if implementation == "torchvision" else 10
+            rows.append(Row(name, implementation, measure(fn, min_runs=runs), error))
+    return rows

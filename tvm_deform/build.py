@@ -22,12 +22,14 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from . import env  # noqa: F401 - sets TVM's thread variables before TVM is imported
-
 import tvm  # noqa: E402
 from tvm.target import Target, codegen  # noqa: E402
 
-from . import __version__, definition  # noqa: E402
+from . import (  # noqa: E402
+    __version__,
+    definition,
+    env,  # noqa: F401 - sets TVM's thread variables before TVM is imported
+)
 from .definition import ConvShape  # noqa: E402
 from .schedules.cpu import DefaultCPU  # noqa: E402
 
@@ -92,9 +94,7 @@ def _source_digest() -> str:
 
 def cache_path(shape: ConvShape, target: Target) -> Path:
     """Where the on-disk cache keeps the kernel of ``shape`` for ``target``."""
-    text = "\n".join(
-        (workload_key(shape, target), tvm.__version__, __version__, _source_digest())
-    )
+    text = "\n".join((workload_key(shape, target), tvm.__version__, __version__, _source_digest()))
     name = hashlib.sha256(text.encode()).hexdigest()[:32]
     return env.cache_dir() / f"deform_conv2d-{name}.so"
 

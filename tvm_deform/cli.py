@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from collections.abc import Sequence
@@ -11,9 +10,10 @@ from collections.abc import Sequence
 import torch
 
 from . import __version__, build, env
-from .bench import conv_kwargs, measure, random_inputs
+from .bench import compare_layer
 from .definition import ConvShape
 from .ops import deform_conv2d
+from .peers import available_peers
 
 #: layers timed by ``tvm-deform bench``: name -> shape (3x3, padding 1, with mask, no bias)
 BENCH_LAYERS = {
@@ -37,11 +37,6 @@ def _torchvision():
     return torchvision.ops
 
 
-def _relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    ours, reference = ours.double(), reference.double()
-    return float((ours - reference).norm() / reference.norm().clamp_min(1e-300))
-
-
 def seed_case() -> tuple[torch.Tensor, ...]:
     """The seed report's inputs: 2x3x5x5 arange input, ones weight 5x3x3x3, offsets 1, masks 2."""
     data = torch.arange(150, dtype=torch.float32).reshape(2, 3, 5, 5)
@@ -58,61 +53,55 @@ def run_demo(args: argparse.Namespace) -> int:
     theirs = tv.deform_conv2d(data, offset, weight, mask=mask)
     print("Seed case (2x3x5x5 arange input, weight ones, offsets 1.0, masks 2.0):")
     print(ours[1, 0])
-    print(f"  output[1, 0, 2, 1]: tvm_deform {ours[1, 0, 2, 1].item():.0f}, "
-          f"torchvision {theirs[1, 0, 2, 1].item():.0f} (the accelerator printed 4336)")
+    print(
+        f"  output[1, 0, 2, 1]: tvm_deform {ours[1, 0, 2, 1].item():.0f}, "
+        f"torchvision {theirs[1, 0, 2, 1].item():.0f} (the accelerator printed 4336)"
+    )
     print(f"  identical to torchvision: {bool(torch.equal(ours, theirs))}")
     print()
     shape = BENCH_LAYERS["demo 64x56x56"]
-    print(f"Layer N=1 C=O=64 56x56 3x3 pad 1, random offsets (scale 2), "
-          f"{torch.get_num_threads()} threads:")
-    _bench_rows({"demo 64x56x56": shape}, tv)
+    print(
+        f"Layer N=1 C=O=64 56x56 3x3 pad 1, random offsets (scale 2), "
+        f"{torch.get_num_threads()} threads:"
+    )
+    print_table({"demo 64x56x56": shape}, available_peers())
     return 0
 
 
-def _bench_rows(layers: dict[str, ConvShape], tv) -> None:
-    header = (
-        "| layer | torchvision ms | tvm_deform ms | conv2d ms | speed-up vs torchvision "
-        "| x conv2d time | GFLOP/s | rel. error |"
+def print_table(layers: dict[str, ConvShape], peers: Sequence[str]) -> None:
+    """Time every layer (see :func:`tvm_deform.bench.compare_layer`) and print a markdown
+    table: median times, tvm_deform's ratios to torchvision and to dense conv2d, GFLOP/s,
+    and the largest relative error of any implementation against torchvision."""
+    names = ["torchvision", "tvm_deform", *peers, "conv2d (dense)"]
+    print(
+        "| layer | " + " | ".join(f"{n} ms" for n in names) + " | speed-up vs torchvision "
+        "| x dense conv2d | GFLOP/s | max rel. error |"
     )
-    print(header)
-    print("|" + "---|" * 8)
-    for name, shape in layers.items():
-        inputs = random_inputs(shape)
-        kwargs = conv_kwargs(shape)
-        args = (inputs["input"], inputs["offset"], inputs["weight"], inputs["bias"])
-
-        def ours():
-            return deform_conv2d(*args, mask=inputs["mask"], **kwargs)
-
-        def theirs():
-            return tv.deform_conv2d(*args, mask=inputs["mask"], **kwargs)
-
-        def dense():
-            return torch.nn.functional.conv2d(
-                inputs["input"], inputs["weight"], inputs["bias"], groups=shape.weight_groups,
-                **kwargs,
-            )
-
-        with torch.no_grad():
-            error = _relative_error(ours(), theirs())
-            t_ours, t_tv, t_conv = measure(ours), measure(theirs, min_runs=5), measure(dense)
-        gflops = shape.gemm_flops / (t_ours.median_ms * 1e-3) / 1e9
-        print(
-            f"| {name} | {t_tv.median_ms:.2f} | {t_ours.median_ms:.2f} | {t_conv.median_ms:.2f} "
-            f"| {t_tv.median_ms / t_ours.median_ms:.1f}x | {t_ours.median_ms / t_conv.median_ms:.2f} "
-            f"| {gflops:.0f} | {error:.1e} |",
-            flush=True,
-        )
+    print("|---" * (len(names) + 5) + "|")
+    for layer, shape in layers.items():
+        rows = {row.implementation: row for row in compare_layer(layer, shape, peers)}
+        ms = {name: rows[name].timing.median_ms for name in names}
+        errors = [row.error for row in rows.values() if row.error is not None]
+        gflops = shape.gemm_flops / (ms["tvm_deform"] * 1e-3) / 1e9
+        cells = [f"{ms[name]:.2f}" for name in names]
+        cells += [
+            f"{ms['torchvision'] / ms['tvm_deform']:.1f}x",
+            f"{ms['tvm_deform'] / ms['conv2d (dense)']:.2f}",
+            f"{gflops:.0f}",
+            f"{max(errors):.1e}",
+        ]
+        print(f"| {layer} | " + " | ".join(cells) + " |", flush=True)
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    tv = _torchvision()
+    _torchvision()
     names = QUICK_LAYERS if args.quick else tuple(BENCH_LAYERS)
     print(
         f"tvm_deform {__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"CPU {build.host_cpu()}; median of >= 10 runs; random offsets N(0, 2^2), mask U[0, 1)"
     )
-    _bench_rows({name: BENCH_LAYERS[name] for name in names}, tv)
+    peers = [] if args.no_peers else available_peers()
+    print_table({name: BENCH_LAYERS[name] for name in names}, peers)
     return 0
 
 
@@ -138,6 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("demo", help="the seed case and a realistic layer against torchvision")
     bench = sub.add_parser("bench", help="time layers against torchvision and dense conv2d")
     bench.add_argument("--quick", action="store_true", help="two layers only")
+    bench.add_argument(
+        "--no-peers", action="store_true", help="leave out ONNX Runtime and OpenVINO"
+    )
     sub.add_parser("info", help="target, hardware key, cache and environment")
     args = parser.parse_args(argv)
     handler = {"demo": run_demo, "bench": run_bench, "info": run_info}[args.command]

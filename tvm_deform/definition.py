@@ -10,8 +10,12 @@ a schedule can place each one where it pays:
 2. ``columns[n, c, k, p]``: the sampled, masked image (the im2col matrix of the deformed conv),
    four loads and four multiply-adds per element, no branches.
 3. ``conv``: the GEMM of the weight with the columns, accumulated in float32 (float64 for float64).
-4. ``output``: bias and the cast back to the input dtype, present only when there is a bias or the
-   dtype is narrower than the accumulator.
+4. ``output``: bias and the cast back to the input dtype.
+
+The stages 1-3 run over the pixel axis padded to a multiple of ``PIXEL_QUANTUM`` (the padding
+pixels repeat the last real one and are dropped by ``output``), so that a schedule can tile the
+pixels by any power of two up to the quantum without a ragged tail: a ragged tail puts a
+predicate in the innermost loop, which TVM then cannot vectorise at all (measured: 20x slower).
 
 Output pixels are flattened (``p = oy * out_w + ox``): the offset, mask and output buffers are
 declared as ``[N, channels, out_h * out_w]``, which is a free view of the contiguous NCHW torch
@@ -36,6 +40,17 @@ ACCUMULATOR_DTYPE = {
     "float16": "float32",
     "bfloat16": "float32",
 }
+
+
+#: stages before the output run over the pixels padded to a multiple of this
+PIXEL_QUANTUM = 64
+
+
+def padded_pixels(pixels: int) -> int:
+    """The pixel count the inner stages run over (unchanged up to one quantum)."""
+    if pixels <= PIXEL_QUANTUM:
+        return pixels
+    return -(-pixels // PIXEL_QUANTUM) * PIXEL_QUANTUM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +137,7 @@ def forward_tensors(shape: ConvShape) -> list[te.Tensor]:
     n_, c_, h_, w_ = shape.batch, shape.in_channels, shape.height, shape.width
     taps, out_w = shape.taps, shape.out_w
     pixels = shape.out_h * out_w
+    padded = padded_pixels(pixels)
     groups = shape.offset_groups
     channels_per_offset_group = c_ // groups
     weight_in = c_ // shape.weight_groups
@@ -134,16 +150,25 @@ def forward_tensors(shape: ConvShape) -> list[te.Tensor]:
     weight = te.placeholder(shapes["weight"], dtype, name="weight")
     bias = te.placeholder(shapes["bias"], dtype, name="bias") if shape.has_bias else None
 
+    def source(p):
+        """The real pixel a (possibly padding) pixel index reads its offset and mask from."""
+        return te.min(p, pixels - 1) if padded != pixels else p
+
     def sample_point(n, g, k, p, axis):
         """(coordinate, clamped floor) of the sample point along ``axis`` (0: y, 1: x)."""
+        p = source(p)
         if axis == 0:
-            base = (p // out_w) * shape.stride_h - shape.pad_h + (k // shape.kernel_w) * (
-                shape.dilation_h
+            base = (
+                (p // out_w) * shape.stride_h
+                - shape.pad_h
+                + (k // shape.kernel_w) * (shape.dilation_h)
             )
             size = h_
         else:
-            base = (p % out_w) * shape.stride_w - shape.pad_w + (k % shape.kernel_w) * (
-                shape.dilation_w
+            base = (
+                (p % out_w) * shape.stride_w
+                - shape.pad_w
+                + (k % shape.kernel_w) * (shape.dilation_w)
             )
             size = w_
         coord = base.astype(acc) + offset[n, g * 2 * taps + 2 * k + axis, p].astype(acc)
@@ -156,15 +181,16 @@ def forward_tensors(shape: ConvShape) -> list[te.Tensor]:
         _, low, size = sample_point(n, g, k, p, axis)
         # r = 0: the low neighbour, r = 1: the high one; both kept inside the image so the
         # loads never leave the buffer (an outside corner's coefficient is zero).
-        return te.if_then_else(r == 0, te.max(low, 0), te.min(low + 1, size - 1))
+        neighbour = te.if_then_else(r == 0, low, low + 1)
+        return te.min(te.max(neighbour, 0), size - 1)
 
     sample_rows = te.compute(
-        (n_, groups, taps, 2, pixels),
+        (n_, groups, taps, 2, padded),
         lambda n, g, k, r, p: clamped_index(n, g, k, r, p, 0),
         name="sample_rows",
     )
     sample_cols = te.compute(
-        (n_, groups, taps, 2, pixels),
+        (n_, groups, taps, 2, padded),
         lambda n, g, k, r, p: clamped_index(n, g, k, r, p, 1),
         name="sample_cols",
     )
@@ -192,12 +218,10 @@ def forward_tensors(shape: ConvShape) -> list[te.Tensor]:
         )
         value = weight_y * weight_x
         if mask is not None:
-            value = mask[n, g * taps + k, p].astype(acc) * value
+            value = mask[n, g * taps + k, source(p)].astype(acc) * value
         return te.if_then_else(inside, value, zero)
 
-    sample_coef = te.compute(
-        (n_, groups, taps, 4, pixels), corner_coefficient, name="sample_coef"
-    )
+    sample_coef = te.compute((n_, groups, taps, 4, padded), corner_coefficient, name="sample_coef")
 
     def column(n, c, k, p):
         g = c // channels_per_offset_group
@@ -208,28 +232,27 @@ def forward_tensors(shape: ConvShape) -> list[te.Tensor]:
             total = total + sample_coef[n, g, k, q, p] * data[n, c, row, col].astype(acc)
         return total
 
-    columns = te.compute((n_, c_, taps, pixels), column, name="columns")
+    columns = te.compute((n_, c_, taps, padded), column, name="columns")
 
     rc = te.reduce_axis((0, weight_in), name="rc")
     rk = te.reduce_axis((0, taps), name="rk")
     conv = te.compute(
-        (n_, shape.out_channels, pixels),
+        (n_, shape.out_channels, padded),
         lambda n, o, p: te.sum(
-            weight[o, rc, rk].astype(acc) * columns[n, (o // out_per_group) * weight_in + rc, rk, p],
+            weight[o, rc, rk].astype(acc)
+            * columns[n, (o // out_per_group) * weight_in + rc, rk, p],
             axis=[rc, rk],
         ),
         name="conv",
     )
-    result = conv
-    if bias is not None or dtype != acc:
 
-        def epilogue(n, o, p):
-            value = conv[n, o, p]
-            if bias is not None:
-                value = value + bias[o].astype(acc)
-            return value.astype(dtype)
+    def epilogue(n, o, p):
+        value = conv[n, o, p]
+        if bias is not None:
+            value = value + bias[o].astype(acc)
+        return value.astype(dtype)
 
-        result = te.compute(conv.shape, epilogue, name="output")
+    result = te.compute((n_, shape.out_channels, pixels), epilogue, name="output")
 
     inputs = [t for t in (data, offset, mask, weight, bias) if t is not None]
     return [*inputs, result]

@@ -109,8 +109,7 @@ def check_arguments(
     groups = in_channels // weight_in
     if out_channels % groups != 0:
         raise ValueError(
-            f"weight.shape[0] = {out_channels} output channels do not divide into "
-            f"{groups} groups"
+            f"weight.shape[0] = {out_channels} output channels do not divide into {groups} groups"
         )
     if offset.shape[1] == 0 or offset.shape[1] % (2 * taps) != 0:
         raise ValueError(

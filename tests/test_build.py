@@ -1,0 +1,164 @@
+"""Build and dispatch: kernel caches, thread count, CPU affinity, targets."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import tvm
+
+from tvm_deform import build, deform_conv2d
+from tvm_deform.definition import ConvShape
+
+SHAPE = ConvShape(1, 3, 7, 6, 2, 3, 3, pad_h=1, pad_w=1, has_bias=True)
+
+
+def call(shape: ConvShape = SHAPE) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return deform_conv2d(
+        torch.randn(shape.batch, shape.in_channels, shape.height, shape.width, generator=g),
+        torch.randn(shape.batch, 18, shape.out_h, shape.out_w, generator=g),
+        torch.randn(shape.out_channels, shape.in_channels, 3, 3, generator=g),
+        torch.randn(shape.out_channels, generator=g),
+        padding=1,
+        mask=torch.rand(shape.batch, 9, shape.out_h, shape.out_w, generator=g),
+    )
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TVM_DEFORM_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TVM_DEFORM_CACHE", raising=False)
+    build.clear_memory_cache()
+    yield tmp_path
+    build.clear_memory_cache()
+
+
+def test_disk_cache_is_written_then_reused(cache_dir, monkeypatch):
+    expected = call()
+    entries = list(cache_dir.glob("*.so"))
+    assert len(entries) == 1
+    build.clear_memory_cache()
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled although the disk cache holds the kernel")
+
+    monkeypatch.setattr(build, "compile_kernel", no_compile)
+    assert torch.equal(call(), expected)
+
+
+def test_corrupt_cache_entry_is_rebuilt(cache_dir):
+    expected = call()
+    (entry,) = cache_dir.glob("*.so")
+    entry.write_bytes(b"not a shared library")
+    build.clear_memory_cache()
+    with pytest.warns(UserWarning, match="rebuilding corrupt kernel cache entry"):
+        result = call()
+    assert torch.equal(result, expected)
+    assert entry.stat().st_size > 100
+
+
+def test_cache_can_be_turned_off(cache_dir, monkeypatch):
+    monkeypatch.setenv("TVM_DEFORM_CACHE", "0")
+    call()
+    assert list(cache_dir.iterdir()) == []
+
+
+def test_cache_key_separates_shapes_and_dtypes():
+    target = build.host_target()
+    paths = {
+        build.cache_path(SHAPE, target),
+        build.cache_path(ConvShape(**{**SHAPE.__dict__, "dtype": "float64"}), target),
+        build.cache_path(ConvShape(**{**SHAPE.__dict__, "stride_w": 2}), target),
+        build.cache_path(ConvShape(**{**SHAPE.__dict__, "has_mask": False}), target),
+    }
+    assert len(paths) == 4
+
+
+def test_two_processes_fill_the_cache_at_once(tmp_path):
+    script = textwrap.dedent(
+        """
+        import torch, tvm_deform
+        out = tvm_deform.deform_conv2d(
+            torch.ones(1, 2, 9, 9), torch.full((1, 18, 7, 7), 0.5), torch.ones(3, 2, 3, 3))
+        print(float(out.sum()))
+        """
+    )
+    env = dict(os.environ, TVM_DEFORM_CACHE_DIR=str(tmp_path))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert outputs[0] == outputs[1]
+    assert len(list(tmp_path.glob("*.so"))) == 1
+    assert list(tmp_path.glob("*.tmp")) == []
+
+
+def test_kernels_use_torch_thread_count():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        call()
+        assert tvm.runtime.num_threads() == 1
+        torch.set_num_threads(max(2, before))
+        call()
+        assert tvm.runtime.num_threads() == min(max(2, before), os.cpu_count())
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only")
+def test_calls_leave_cpu_affinity_alone():
+    before = os.sched_getaffinity(0)
+    call(ConvShape(2, 3, 30, 30, 2, 3, 3, pad_h=1, pad_w=1, has_bias=True))
+    assert os.sched_getaffinity(0) == before
+
+
+def test_host_target_names_the_cpu():
+    target = build.host_target()
+    assert target.kind.name == "llvm"
+    assert target.attrs["mcpu"] == build.host_cpu()
+    assert build.hardware_key(target) == f"llvm/{build.host_cpu()}"
+    assert int(target.attrs["num-cores"]) == os.cpu_count()
+
+
+def test_workload_key_lists_every_parameter():
+    key = build.workload_key(SHAPE, build.host_target())
+    for field in SHAPE.__dataclass_fields__:
+        assert f'"{field}"' in key
+    assert '"mcpu"' in key
+
+
+def test_package_data_is_installed(tmp_path):
+    """A plain wheel holds the schedules and the tuning logs, not only an editable install."""
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(root),
+        ],
+        check=True,
+        cwd=tmp_path,
+    )
+    import zipfile
+
+    (wheel,) = tmp_path.glob("tvm_deform-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "tvm_deform/schedules/cpu.py" in names
+    assert any(name.startswith("tvm_deform/tuning_logs/") for name in names)
+    assert "tvm_deform/definition.py" in names

@@ -1,0 +1,328 @@
+"""Forward results against the float64 reference and against torchvision."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torchvision.ops
+from conftest import assert_close
+from reference import deform_conv2d_reference
+
+import tvm_deform
+from tvm_deform import DeformConv2d, deform_conv2d
+
+
+def seed_inputs():
+    data = torch.arange(150, dtype=torch.float32).reshape(2, 3, 5, 5)
+    weight = torch.ones(5, 3, 3, 3)
+    offset = torch.ones(2, 18, 3, 3)
+    mask = torch.full((2, 9, 3, 3), 2.0)
+    return data, offset, weight, mask
+
+
+def test_seed_case_matches_torchvision_exactly():
+    data, offset, weight, mask = seed_inputs()
+    ours = deform_conv2d(data, offset, weight, mask=mask)
+    theirs = torchvision.ops.deform_conv2d(data, offset, weight, mask=mask)
+    assert torch.equal(ours, theirs)
+    assert ours[1, 0, 2, 1].item() == 4338.0
+    assert ours[1, 4, 0, 1].item() == 6102.0
+    assert ours[0, 2].tolist() == [[1998, 2052, 1386], [2268, 2322, 1566], [1602, 1638, 1104]]
+
+
+def random_config(rng: random.Random) -> dict:
+    groups = rng.choice([1, 1, 2, 3])
+    offset_groups = rng.choice([1, 1, 2])
+    kh, kw = rng.randint(1, 4), rng.randint(1, 4)
+    stride = (rng.randint(1, 3), rng.randint(1, 3))
+    padding = (rng.randint(0, 2), rng.randint(0, 2))
+    dilation = (rng.randint(1, 3), rng.randint(1, 3))
+    c = groups * offset_groups * rng.randint(1, 3)
+    o = groups * rng.randint(1, 3)
+    h = max(dilation[0] * (kh - 1) + 1 - 2 * padding[0], 1) + rng.randint(0, 8)
+    w = max(dilation[1] * (kw - 1) + 1 - 2 * padding[1], 1) + rng.randint(0, 8)
+    return dict(
+        n=rng.randint(1, 3),
+        c=c,
+        h=h,
+        w=w,
+        o=o,
+        kh=kh,
+        kw=kw,
+        stride=stride,
+        padding=padding,
+        dilation=dilation,
+        groups=groups,
+        offset_groups=offset_groups,
+        use_mask=rng.random() < 0.7,
+        use_bias=rng.random() < 0.5,
+    )
+
+
+def make_inputs(cfg: dict, dtype: torch.dtype, offset_scale: float = 2.0, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    out_h = (cfg["h"] + 2 * cfg["padding"][0] - (cfg["dilation"][0] * (cfg["kh"] - 1) + 1)) // (
+        cfg["stride"][0]
+    ) + 1
+    out_w = (cfg["w"] + 2 * cfg["padding"][1] - (cfg["dilation"][1] * (cfg["kw"] - 1) + 1)) // (
+        cfg["stride"][1]
+    ) + 1
+    taps = cfg["kh"] * cfg["kw"]
+    og = cfg["offset_groups"]
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+    return dict(
+        input=rand(cfg["n"], cfg["c"], cfg["h"], cfg["w"]),
+        offset=rand(cfg["n"], 2 * og * taps, out_h, out_w, scale=offset_scale),
+        weight=rand(cfg["o"], cfg["c"] // cfg["groups"], cfg["kh"], cfg["kw"]),
+        bias=rand(cfg["o"]) if cfg["use_bias"] else None,
+        mask=(
+            torch.rand(cfg["n"], og * taps, out_h, out_w, generator=g, dtype=torch.float64).to(
+                dtype
+            )
+            if cfg["use_mask"]
+            else None
+        ),
+        stride=cfg["stride"],
+        padding=cfg["padding"],
+        dilation=cfg["dilation"],
+    )
+
+
+CONFIGS = [random_config(random.Random(seed)) for seed in range(16)]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[f"cfg{i}" for i in range(len(CONFIGS))])
+def test_random_configs_float64_match_reference(cfg):
+    args = make_inputs(cfg, torch.float64)
+    assert_close(deform_conv2d(**args), deform_conv2d_reference(**args), 1e-12, "float64")
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[f"cfg{i}" for i in range(len(CONFIGS))])
+def test_random_configs_float32_match_torchvision(cfg):
+    args = make_inputs(cfg, torch.float32)
+    ours = deform_conv2d(**args)
+    assert ours.dtype == torch.float32
+    assert_close(ours, torchvision.ops.deform_conv2d(**args), 1e-6, "vs torchvision")
+    assert_close(ours, deform_conv2d_reference(**args), 1e-6, "vs float64 reference")
+
+
+def test_realistic_layer_float32_matches_torchvision():
+    cfg = dict(
+        n=1,
+        c=64,
+        h=20,
+        w=24,
+        o=32,
+        kh=3,
+        kw=3,
+        stride=(1, 1),
+        padding=(1, 1),
+        dilation=(1, 1),
+        groups=1,
+        offset_groups=1,
+        use_mask=True,
+        use_bias=True,
+    )
+    args = make_inputs(cfg, torch.float32)
+    assert_close(deform_conv2d(**args), torchvision.ops.deform_conv2d(**args), 1e-6)
+
+
+@pytest.mark.parametrize(
+    "dtype, rtol", [(torch.float16, 2e-3), (torch.bfloat16, 1.5e-2)], ids=["fp16", "bf16"]
+)
+@pytest.mark.parametrize("cfg", CONFIGS[:6], ids=[f"cfg{i}" for i in range(6)])
+def test_half_precision_matches_upcast_reference(cfg, dtype, rtol):
+    args = make_inputs(cfg, dtype)
+    ours = deform_conv2d(**args)
+    assert ours.dtype == dtype
+    # The reference sees exactly the rounded inputs, so what remains is the output rounding
+    # (half an ulp) plus float32 accumulation: far below what a float16 accumulator would give.
+    assert_close(ours, deform_conv2d_reference(**args), rtol, str(dtype))
+
+
+def test_half_precision_accumulates_in_float32():
+    # 4096 products of 1 + 2**-11: a float16 accumulator stalls at 4096, float32 gives 4098.
+    data = torch.full((1, 4096, 1, 1), 1.0, dtype=torch.float16)
+    weight = torch.full((1, 4096, 1, 1), 1.0 + 2.0**-10, dtype=torch.float16)
+    offset = torch.zeros(1, 2, 1, 1, dtype=torch.float16)
+    out = deform_conv2d(data, offset, weight)
+    assert out.item() == pytest.approx(4096 * (1 + 2.0**-10), rel=1e-3)
+
+
+# Sample points along one axis exercising every branch of the bilinear rule.
+EDGE_POINTS = [-2.0, -1.0, -0.999, -0.5, -1e-6, 0.0, 0.25, 2.5, 3.0, 3.5, 3.999, 4.0, 4.5, 7.0]
+
+
+@pytest.mark.parametrize("axis", ["y", "x", "both"])
+def test_boundary_points_match_reference_and_torchvision(axis):
+    h = w = 4
+    n_points = len(EDGE_POINTS)
+    data = torch.randn(1, 2, h, w, dtype=torch.float64)
+    weight = torch.randn(3, 2, 1, 1, dtype=torch.float64)
+    # 1x1 kernel, no padding, output 4x4: put one sample point per output pixel.
+    offset = torch.zeros(1, 2, h, w, dtype=torch.float64)
+    coords = torch.tensor(EDGE_POINTS, dtype=torch.float64)
+    grid = torch.arange(h * w, dtype=torch.float64).view(h, w)
+    for index in range(h * w):
+        oy, ox = divmod(index, w)
+        point = coords[index % n_points]
+        other = coords[(index * 5 + 3) % n_points]
+        dy = (point if axis in ("y", "both") else float(oy)) - oy
+        dx = (point if axis == "x" else other if axis == "both" else float(ox)) - ox
+        offset[0, 0, oy, ox] = dy
+        offset[0, 1, oy, ox] = dx
+    del grid
+    mask = torch.rand(1, 1, h, w, dtype=torch.float64)
+    ours = deform_conv2d(data, offset, weight, mask=mask)
+    assert_close(ours, deform_conv2d_reference(data, offset, weight, mask=mask), 1e-12)
+    assert_close(ours, torchvision.ops.deform_conv2d(data, offset, weight, mask=mask), 1e-12)
+
+
+def test_point_between_minus_one_and_zero_takes_part_of_row_zero():
+    data = torch.ones(1, 1, 3, 3, dtype=torch.float64)
+    weight = torch.ones(1, 1, 1, 1, dtype=torch.float64)
+    offset = torch.zeros(1, 2, 3, 3, dtype=torch.float64)
+    offset[0, 0, 0, 1] = -0.5  # y = -0.5 at output (0, 1): half of row 0
+    offset[0, 0, 1, 1] = -2.0  # y = -1 exactly: zero
+    out = deform_conv2d(data, offset, weight)
+    assert out[0, 0, 0, 1].item() == pytest.approx(0.5)
+    assert out[0, 0, 1, 1].item() == 0.0
+    assert out[0, 0, 2, 2].item() == 1.0
+
+
+def test_huge_and_non_finite_offsets_are_zero_not_garbage():
+    data = torch.randn(1, 2, 5, 5)
+    weight = torch.randn(2, 2, 1, 1)
+    offset = torch.zeros(1, 2, 5, 5)
+    offset[0, 0, 0, 0] = 1e30
+    offset[0, 1, 1, 1] = -1e30
+    offset[0, 0, 2, 2] = float("inf")
+    offset[0, 0, 3, 3] = float("nan")
+    out = deform_conv2d(data, offset, weight)
+    for y, x in ((0, 0), (1, 1), (2, 2), (3, 3)):
+        assert torch.equal(out[0, :, y, x], torch.zeros(2))
+    assert_close(
+        out[0, :, 4, 4], torch.einsum("oc,c->o", weight[:, :, 0, 0], data[0, :, 4, 4]), 1e-6
+    )
+
+
+def test_integer_offsets_equal_shifted_conv():
+    data = torch.randn(2, 4, 9, 9, dtype=torch.float64)
+    weight = torch.randn(6, 4, 3, 3, dtype=torch.float64)
+    offset = torch.zeros(2, 18, 7, 7, dtype=torch.float64)
+    offset[:, 0::2] = 1.0  # every tap moved one row down
+    shifted = torch.nn.functional.pad(data[:, :, 1:], (0, 0, 0, 1))
+    assert_close(
+        deform_conv2d(data, offset, weight),
+        torch.nn.functional.conv2d(shifted, weight),
+        1e-12,
+    )
+
+
+@pytest.mark.parametrize(
+    "stride, padding, dilation, groups", [((1, 1), (1, 1), (1, 1), 1), ((2, 1), (0, 2), (1, 2), 2)]
+)
+def test_zero_offsets_without_mask_equal_conv2d(stride, padding, dilation, groups):
+    data = torch.randn(2, 4, 11, 10, dtype=torch.float64)
+    weight = torch.randn(6, 4 // groups, 3, 2, dtype=torch.float64)
+    bias = torch.randn(6, dtype=torch.float64)
+    expected = torch.nn.functional.conv2d(data, weight, bias, stride, padding, dilation, groups)
+    offset = torch.zeros(2, 12, *expected.shape[2:], dtype=torch.float64)
+    ours = deform_conv2d(data, offset, weight, bias, stride, padding, dilation)
+    assert_close(ours, expected, 1e-12)
+
+
+def test_ints_and_pairs_are_the_same():
+    args = make_inputs(
+        CONFIGS[0] | dict(stride=(2, 2), padding=(1, 1), dilation=(1, 1)), torch.float32
+    )
+    pairs = deform_conv2d(**args)
+    ints = deform_conv2d(**(args | dict(stride=2, padding=1, dilation=1)))
+    assert torch.equal(pairs, ints)
+
+
+def test_empty_batch_returns_empty_output():
+    data = torch.zeros(0, 3, 5, 5)
+    out = deform_conv2d(data, torch.zeros(0, 18, 3, 3), torch.ones(4, 3, 3, 3))
+    assert out.shape == (0, 4, 3, 3)
+    assert torch.equal(
+        out, torchvision.ops.deform_conv2d(data, torch.zeros(0, 18, 3, 3), torch.ones(4, 3, 3, 3))
+    )
+
+
+def test_non_contiguous_inputs():
+    args = make_inputs(CONFIGS[3], torch.float32)
+    strided = {
+        k: (
+            v.transpose(-1, -2).contiguous().transpose(-1, -2)
+            if isinstance(v, torch.Tensor) and v.dim() == 4
+            else v
+        )
+        for k, v in args.items()
+    }
+    assert not strided["input"].is_contiguous() or strided["input"].shape[-1] == 1
+    assert torch.equal(deform_conv2d(**strided), deform_conv2d(**args))
+
+
+def test_module_is_a_drop_in_for_torchvision():
+    torch.manual_seed(3)
+    ours = DeformConv2d(4, 6, 3, stride=1, padding=1, dilation=1, groups=2, bias=True)
+    torch.manual_seed(3)
+    theirs = torchvision.ops.DeformConv2d(4, 6, 3, stride=1, padding=1, dilation=1, groups=2)
+    assert torch.equal(ours.weight, theirs.weight) and torch.equal(ours.bias, theirs.bias)
+    ours.load_state_dict(theirs.state_dict())
+    assert repr(ours).replace("tvm_deform.", "") == repr(theirs)
+    x = torch.randn(2, 4, 8, 8)
+    offset = torch.randn(2, 18, 8, 8)
+    mask = torch.rand(2, 9, 8, 8)
+    with torch.no_grad():
+        assert_close(ours(x, offset, mask), theirs(x, offset, mask), 1e-6)
+        assert_close(ours(x, offset), theirs(x, offset), 1e-6)
+
+
+def test_module_without_bias():
+    layer = DeformConv2d(3, 5, (3, 1), bias=False)
+    assert layer.bias is None
+    out = layer(torch.randn(1, 3, 6, 6), torch.zeros(1, 6, 4, 6))
+    assert out.shape == (1, 5, 4, 6)
+
+
+def test_gradient_request_raises_a_clear_error():
+    data = torch.randn(1, 2, 5, 5, requires_grad=True)
+    out = deform_conv2d(data, torch.zeros(1, 18, 3, 3), torch.randn(2, 2, 3, 3))
+    with pytest.raises(RuntimeError, match="no backward"):
+        out.sum().backward()
+
+
+def test_opcheck():
+    args = make_inputs(CONFIGS[1] | dict(use_mask=True, use_bias=True), torch.float32)
+    for mask, bias in ((args["mask"], args["bias"]), (None, None)):
+        torch.library.opcheck(
+            torch.ops.tvm_deform.deform_conv2d.default,
+            (
+                args["input"],
+                args["offset"],
+                args["weight"],
+                bias,
+                mask,
+                *args["stride"],
+                *args["padding"],
+                *args["dilation"],
+            ),
+        )
+
+
+def test_torch_compile_fullgraph():
+    args = make_inputs(CONFIGS[2] | dict(use_mask=True, use_bias=True), torch.float32)
+    compiled = torch.compile(deform_conv2d, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(**args), deform_conv2d(**args))
+
+
+def test_public_api():
+    assert tvm_deform.deform_conv2d is deform_conv2d
+    assert "mask" in deform_conv2d.__doc__
