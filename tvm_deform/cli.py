@@ -1,4 +1,4 @@
-"""The ``tvm-deform`` command (also ``python -m tvm_deform``): demo, bench, info."""
+"""The ``tvm-deform`` command (also ``python -m tvm_deform``): demo, bench, diagnose, info."""
 
 from __future__ import annotations
 
@@ -105,6 +105,29 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_diagnose(args: argparse.Namespace) -> int:
+    from .precision import diagnose
+
+    data, offset, weight, mask = seed_case()
+    print("Seed case, float32 against the same layer computed with float16 data (10-bit mantissa)")
+    print("and float32 accumulation, as the accelerator's default conv mode did:")
+    report = diagnose(data, offset, weight, mask=mask, mantissa_bits=10, mode="io")
+    print(f"  output[1, 0]  float32:\n{report.float32[1, 0]}")
+    print(f"  output[1, 0]  reduced:\n{report.reduced[1, 0]}")
+    print(f"  {report.summary()}")
+    print()
+    generator = torch.Generator().manual_seed(0)
+    data = torch.randn(1, 64, 20, 20, generator=generator)
+    offset = 2 * torch.randn(1, 18, 20, 20, generator=generator)
+    weight = torch.randn(64, 64, 3, 3, generator=generator) / 24
+    mask = torch.rand(1, 9, 20, 20, generator=generator)
+    print("Random layer C=O=64 20x20 3x3 pad 1:")
+    for mode in ("io", "accumulate"):
+        report = diagnose(data, offset, weight, padding=1, mask=mask, mode=mode)
+        print(f"  {report.summary()}")
+    return 0
+
+
 def run_info(args: argparse.Namespace) -> int:
     import tvm
 
@@ -131,8 +154,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-peers", action="store_true", help="leave out ONNX Runtime and OpenVINO"
     )
     sub.add_parser("info", help="target, hardware key, cache and environment")
+    sub.add_parser(
+        "diagnose", help="the seed bug: the layer in float32 next to its float16 computation"
+    )
     args = parser.parse_args(argv)
-    handler = {"demo": run_demo, "bench": run_bench, "info": run_info}[args.command]
+    handlers = {"demo": run_demo, "bench": run_bench, "info": run_info, "diagnose": run_diagnose}
+    handler = handlers[args.command]
     return handler(args)
 
 
