@@ -22,16 +22,14 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-import tvm  # noqa: E402
-from tvm.target import Target, codegen  # noqa: E402
+# TVM's thread variables are set by tvm_deform.env, which the package's __init__ imports before
+# any module that imports TVM.
+import tvm
+from tvm.target import Target, codegen
 
-from . import (  # noqa: E402
-    __version__,
-    definition,
-    env,  # noqa: F401 - sets TVM's thread variables before TVM is imported
-)
-from .definition import ConvShape  # noqa: E402
-from .schedules.cpu import DefaultCPU  # noqa: E402
+from . import __version__, definition, env
+from .definition import ConvShape
+from .schedules.cpu import DefaultCPU
 
 Kernel = Callable[..., None]
 
