@@ -162,3 +162,4 @@ def test_package_data_is_installed(tmp_path):
     assert "tvm_deform/schedules/cpu.py" in names
     assert any(name.startswith("tvm_deform/tuning_logs/") for name in names)
     assert "tvm_deform/definition.py" in names
+    assert "tvm_deform/suite.json" in names

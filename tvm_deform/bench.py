@@ -108,7 +108,8 @@ def compare_layer(name: str, shape: ConvShape, peers: Sequence[str] = ()) -> lis
     side by side on the same random inputs, checking each against torchvision's output."""
     import torchvision.ops
 
-    from .ops import deform_conv2d
+    from . import build
+    from .ops import run_cpu
     from .peers import PEERS
 
     inputs = random_inputs(shape)
@@ -120,8 +121,18 @@ def compare_layer(name: str, shape: ConvShape, peers: Sequence[str] = ()) -> lis
         "torchvision": lambda: torchvision.ops.deform_conv2d(
             x, offset, weight, bias, mask=mask, **kwargs
         ),
-        "tvm_deform": lambda: deform_conv2d(x, offset, weight, bias, mask=mask, **kwargs),
     }
+    # The default schedule, and the tuned one when the logs hold a record for this shape.
+    default = build.get_kernel(shape, tuned=False)
+    candidates["tvm_deform default"] = functools.partial(
+        run_cpu, shape, x, offset, weight, bias, mask, default
+    )
+    record = build.resolve(shape, build.host_target())
+    if record is not None:
+        tuned = build.get_kernel(shape, tuned=True)
+        candidates[f"tvm_deform tuned ({record.space})"] = functools.partial(
+            run_cpu, shape, x, offset, weight, bias, mask, tuned
+        )
     for peer in peers:
         run = PEERS[peer](shape, weight, bias, torch.get_num_threads())
         candidates[peer] = functools.partial(run, x, offset, mask)

@@ -27,7 +27,7 @@ from pathlib import Path
 import tvm
 from tvm.target import Target, codegen
 
-from . import __version__, definition, env
+from . import __version__, definition, env, logs
 from .definition import ConvShape
 from .schedules.cpu import DefaultCPU
 
@@ -90,19 +90,35 @@ def _source_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def cache_path(shape: ConvShape, target: Target) -> Path:
-    """Where the on-disk cache keeps the kernel of ``shape`` for ``target``."""
-    text = "\n".join((workload_key(shape, target), tvm.__version__, __version__, _source_digest()))
+def cache_path(shape: ConvShape, target: Target, schedule: str = "default") -> Path:
+    """Where the on-disk cache keeps the kernel of ``shape`` for ``target``, compiled with
+    ``schedule`` ("default", or a tuned record's identity)."""
+    text = "\n".join(
+        (workload_key(shape, target), schedule, tvm.__version__, __version__, _source_digest())
+    )
     name = hashlib.sha256(text.encode()).hexdigest()[:32]
     return env.cache_dir() / f"deform_conv2d-{name}.so"
 
 
-def compile_kernel(shape: ConvShape, target: Target) -> tvm.runtime.Module:
-    """Compile the forward kernel of ``shape`` for ``target`` with the default schedule."""
-    func = definition.forward(shape)
-    sch = DefaultCPU().apply(func, target)
-    if sch is None:
-        raise RuntimeError(f"no schedule applies to {shape}")
+def resolve(shape: ConvShape, target: Target, tuned: bool | None = None) -> logs.TunedRecord | None:
+    """The tuned record ``shape`` runs with on ``target``, or None for the default schedule.
+    ``tuned=None`` follows ``TVM_DEFORM_TUNED``; False always means the default schedule."""
+    if not (env.tuned_enabled() if tuned is None else tuned):
+        return None
+    return logs.find_record(shape, target, hardware_key(target))
+
+
+def compile_kernel(
+    shape: ConvShape, target: Target, record: logs.TunedRecord | None = None
+) -> tvm.runtime.Module:
+    """Compile the forward kernel of ``shape`` for ``target``: with ``record``'s tuned schedule
+    when given, else with the default schedule."""
+    if record is not None:
+        sch = logs.tuned_schedule(shape, record)
+    else:
+        sch = DefaultCPU().apply(definition.forward(shape), target)
+        if sch is None:
+            raise RuntimeError(f"no schedule applies to {shape}")
     return tvm.compile(sch.mod, target=target)
 
 
@@ -133,26 +149,30 @@ def _store_cached(module: tvm.runtime.Module, path: Path) -> None:
         warnings.warn(f"could not write kernel cache entry {path}: {error}", stacklevel=3)
 
 
-_memory: dict[tuple[ConvShape, str], Kernel] = {}
+_memory: dict[tuple, Kernel] = {}
 _lock = threading.Lock()
 
 
-def get_kernel(shape: ConvShape, target: Target | None = None) -> Kernel:
-    """The compiled forward kernel of ``shape``: from memory, from disk, or freshly compiled."""
+def get_kernel(shape: ConvShape, target: Target | None = None, tuned: bool | None = None) -> Kernel:
+    """The compiled forward kernel of ``shape``: from memory, from disk, or freshly compiled
+    (with the tuned schedule the logs hold for it, else the default one; ``tuned`` as in
+    :func:`resolve`)."""
     target = target or host_target()
-    key = (shape, str(target))
+    tuned = env.tuned_enabled() if tuned is None else tuned
+    # The log settings are part of the key, so changing them mid-process takes effect.
+    key = (shape, str(target), tuned, env.user_logs_dir())
     kernel = _memory.get(key)
     if kernel is not None:
         return kernel
     with _lock:
         kernel = _memory.get(key)
         if kernel is None:
-            module = None
-            path = cache_path(shape, target) if env.cache_enabled() else None
-            if path is not None:
-                module = _load_cached(path)
+            record = resolve(shape, target, tuned)
+            schedule = "default" if record is None else record.identity
+            path = cache_path(shape, target, schedule) if env.cache_enabled() else None
+            module = _load_cached(path) if path is not None else None
             if module is None:
-                module = compile_kernel(shape, target)
+                module = compile_kernel(shape, target, record)
                 if path is not None:
                     _store_cached(module, path)
             kernel = module["deform_conv2d"]

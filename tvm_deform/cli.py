@@ -1,29 +1,23 @@
-"""The ``tvm-deform`` command (also ``python -m tvm_deform``): demo, bench, diagnose, info."""
+"""The ``tvm-deform`` command (also ``python -m tvm_deform``): demo, bench, diagnose, info, tune."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
+from tvm.target import Target
 
 from . import __version__, build, env
 from .bench import compare_layer
 from .definition import ConvShape
 from .ops import deform_conv2d
 from .peers import available_peers
-
-#: layers timed by ``tvm-deform bench``: name -> shape (3x3, padding 1, with mask, no bias)
-BENCH_LAYERS = {
-    "demo 64x56x56": ConvShape(1, 64, 56, 56, 64, 3, 3, pad_h=1, pad_w=1),
-    "dla34 64x128x128": ConvShape(1, 64, 128, 128, 64, 3, 3, pad_h=1, pad_w=1),
-    "r50 c3 128x100x168": ConvShape(1, 128, 100, 168, 128, 3, 3, pad_h=1, pad_w=1),
-    "r50 c4 256x50x84": ConvShape(1, 256, 50, 84, 256, 3, 3, pad_h=1, pad_w=1),
-    "r50 c5 512x25x42": ConvShape(1, 512, 25, 42, 512, 3, 3, pad_h=1, pad_w=1),
-}
-QUICK_LAYERS = ("demo 64x56x56", "r50 c5 512x25x42")
+from .suite import QUICK, load_suite
 
 
 def _torchvision():
@@ -59,35 +53,42 @@ def run_demo(args: argparse.Namespace) -> int:
     )
     print(f"  identical to torchvision: {bool(torch.equal(ours, theirs))}")
     print()
-    shape = BENCH_LAYERS["demo 64x56x56"]
+    shape = load_suite()["demo_64x56x56"]
     print(
         f"Layer N=1 C=O=64 56x56 3x3 pad 1, random offsets (scale 2), "
         f"{torch.get_num_threads()} threads:"
     )
-    print_table({"demo 64x56x56": shape}, available_peers())
+    print_table({"demo_64x56x56": shape}, available_peers())
     return 0
 
 
 def print_table(layers: dict[str, ConvShape], peers: Sequence[str]) -> None:
     """Time every layer (see :func:`tvm_deform.bench.compare_layer`) and print a markdown
-    table: median times, tvm_deform's ratios to torchvision and to dense conv2d, GFLOP/s,
-    and the largest relative error of any implementation against torchvision."""
-    names = ["torchvision", "tvm_deform", *peers, "conv2d (dense)"]
+    table: median times; for tvm_deform's fastest schedule (tuned when the logs have it), the
+    speed-up over torchvision, the ratio to dense conv2d and GFLOP/s; and the largest relative
+    error of any implementation against torchvision."""
+    names = ["torchvision", "tvm_deform default", "tvm_deform tuned", *peers, "conv2d (dense)"]
     print(
-        "| layer | " + " | ".join(f"{n} ms" for n in names) + " | speed-up vs torchvision "
-        "| x dense conv2d | GFLOP/s | max rel. error |"
+        "| layer | " + " | ".join(f"{n} ms" for n in names) + " | tuned space "
+        "| speed-up vs torchvision | x dense conv2d | GFLOP/s | max rel. error |"
     )
-    print("|---" * (len(names) + 5) + "|")
+    print("|---" * (len(names) + 6) + "|")
     for layer, shape in layers.items():
         rows = {row.implementation: row for row in compare_layer(layer, shape, peers)}
-        ms = {name: rows[name].timing.median_ms for name in names}
+        tuned = next((name for name in rows if name.startswith("tvm_deform tuned")), None)
+        ms = {name: rows[name].timing.median_ms for name in rows}
+        ours = min(ms["tvm_deform default"], ms[tuned] if tuned else float("inf"))
         errors = [row.error for row in rows.values() if row.error is not None]
-        gflops = shape.gemm_flops / (ms["tvm_deform"] * 1e-3) / 1e9
-        cells = [f"{ms[name]:.2f}" for name in names]
-        cells += [
-            f"{ms['torchvision'] / ms['tvm_deform']:.1f}x",
-            f"{ms['tvm_deform'] / ms['conv2d (dense)']:.2f}",
-            f"{gflops:.0f}",
+        cells = [
+            f"{ms['torchvision']:.2f}",
+            f"{ms['tvm_deform default']:.2f}",
+            f"{ms[tuned]:.2f}" if tuned else "-",
+            *(f"{ms[name]:.2f}" for name in peers),
+            f"{ms['conv2d (dense)']:.2f}",
+            tuned.removeprefix("tvm_deform tuned (").rstrip(")") if tuned else "-",
+            f"{ms['torchvision'] / ours:.1f}x",
+            f"{ours / ms['conv2d (dense)']:.2f}",
+            f"{shape.gemm_flops / (ours * 1e-3) / 1e9:.0f}",
             f"{max(errors):.1e}",
         ]
         print(f"| {layer} | " + " | ".join(cells) + " |", flush=True)
@@ -95,13 +96,14 @@ def print_table(layers: dict[str, ConvShape], peers: Sequence[str]) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     _torchvision()
-    names = QUICK_LAYERS if args.quick else tuple(BENCH_LAYERS)
+    suite = load_suite(args.suite)
+    names = [name for name in QUICK if name in suite] if args.quick else list(suite)
     print(
         f"tvm_deform {__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"CPU {build.host_cpu()}; median of >= 10 runs; random offsets N(0, 2^2), mask U[0, 1)"
     )
     peers = [] if args.no_peers else available_peers()
-    print_table({name: BENCH_LAYERS[name] for name in names}, peers)
+    print_table({name: suite[name] for name in names}, peers)
     return 0
 
 
@@ -131,17 +133,64 @@ def run_diagnose(args: argparse.Namespace) -> int:
 def run_info(args: argparse.Namespace) -> int:
     import tvm
 
+    from . import logs
+
     target = build.host_target()
+    key = build.hardware_key(target)
     print(f"tvm_deform {__version__}  (TVM {tvm.__version__}, torch {torch.__version__})")
     print(f"host target:   {target}")
-    print(f"hardware key:  {build.hardware_key(target)}")
+    print(f"hardware key:  {key}")
     print(f"threads:       {torch.get_num_threads()} (torch.get_num_threads)")
     cache = env.cache_dir()
-    state = "on" if env.cache_enabled() else "off"
-    print(f"kernel cache:  {cache} ({state})")
+    print(f"kernel cache:  {cache} ({'on' if env.cache_enabled() else 'off'})")
+    tuned = "on" if env.tuned_enabled() else "off (TVM_DEFORM_TUNED=0)"
+    print(f"tuning logs:   {tuned}")
+    for root in logs.log_roots():
+        keys = [k for k in logs.candidate_keys(root, target, key) if (root / k).is_dir()]
+        print(f"  {root}: {', '.join(keys) if keys else 'nothing for this machine'}")
     for name, description in env.VARIABLES.items():
         print(f"  {name}={os.environ.get(name, '')!s:<12} {description}")
+    print()
+    print("suite workloads:")
+    for name, shape in load_suite(args.suite).items():
+        record = build.resolve(shape, target)
+        if record is None:
+            where = "default schedule"
+        else:
+            timing = "" if record.run_ms is None else f", {record.run_ms:.3f} ms when tuned"
+            where = f"tuned: {record.hardware_key} / {record.space}{timing}"
+        print(f"  {name:<28} {where}")
     return 0
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    from .tuning import SPACES, tune
+
+    workloads = load_suite(args.suite)
+    if args.workload:
+        unknown = sorted(set(args.workload) - set(workloads))
+        if unknown:
+            raise SystemExit(f"unknown workload(s) {unknown}; the suite has {sorted(workloads)}")
+        workloads = {name: workloads[name] for name in args.workload}
+    if args.shape:
+        workloads = {"shape": ConvShape(**json.loads(args.shape))}
+    spaces = SPACES if args.space == "all" else (args.space,)
+    target = Target(json.loads(args.target)) if args.target else build.host_target()
+    logs_dir = None if args.no_write_logs else (args.logs_dir or _repository_logs())
+    print(
+        f"tuning {len(workloads)} workload(s) x {len(spaces)} space(s), {args.trials} trials "
+        f"each, for {build.hardware_key(target)}; work directory {args.work_dir}"
+    )
+    tune(workloads, args.trials, args.work_dir, spaces, target, logs_dir)
+    if logs_dir is not None:
+        print(f"pruned logs written to {Path(logs_dir) / build.hardware_key(target)}")
+    return 0
+
+
+def _repository_logs() -> str:
+    from .logs import shipped_logs_dir
+
+    return str(shipped_logs_dir())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -150,15 +199,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("demo", help="the seed case and a realistic layer against torchvision")
     bench = sub.add_parser("bench", help="time layers against torchvision and dense conv2d")
     bench.add_argument("--quick", action="store_true", help="two layers only")
+    bench.add_argument("--suite", help="a suite JSON file instead of the shipped one")
     bench.add_argument(
         "--no-peers", action="store_true", help="leave out ONNX Runtime and OpenVINO"
     )
-    sub.add_parser("info", help="target, hardware key, cache and environment")
+    info = sub.add_parser("info", help="target, hardware key, logs, and what each workload runs")
+    info.add_argument("--suite", help="a suite JSON file instead of the shipped one")
+    tune = sub.add_parser("tune", help="tune workloads with MetaSchedule (resumable)")
+    tune.add_argument("--trials", type=int, default=32, help="more trials per workload/space")
+    tune.add_argument("--space", choices=("handwritten", "generic", "all"), default="all")
+    tune.add_argument("--suite", help="a suite JSON file instead of the shipped one")
+    tune.add_argument("--workload", action="append", help="only this suite workload (repeatable)")
+    tune.add_argument(
+        "--shape",
+        help='one shape as JSON, e.g. \'{"batch": 1, "in_channels": 64, '
+        '"height": 56, "width": 56, "out_channels": 64, "kernel_h": 3, '
+        '"kernel_w": 3, "pad_h": 1, "pad_w": 1}\'',
+    )
+    tune.add_argument("--target", help="a target as JSON (default: this machine)")
+    tune.add_argument("--work-dir", default="work/tune", help="full tuning databases (resumed)")
+    tune.add_argument("--logs-dir", help="where pruned logs go (default: the shipped logs)")
+    tune.add_argument("--no-write-logs", action="store_true", help="keep results in work dir")
     sub.add_parser(
         "diagnose", help="the seed bug: the layer in float32 next to its float16 computation"
     )
     args = parser.parse_args(argv)
-    handlers = {"demo": run_demo, "bench": run_bench, "info": run_info, "diagnose": run_diagnose}
+    handlers = {
+        "demo": run_demo,
+        "bench": run_bench,
+        "info": run_info,
+        "diagnose": run_diagnose,
+        "tune": run_tune,
+    }
     handler = handlers[args.command]
     return handler(args)
 

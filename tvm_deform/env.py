@@ -43,10 +43,24 @@ def cache_dir() -> Path:
     return Path(base) / "tvm_deform"
 
 
+def tuned_enabled() -> bool:
+    """``TVM_DEFORM_TUNED=0`` ignores every tuning log: default schedules only (comparisons)."""
+    return _flag("TVM_DEFORM_TUNED", True)
+
+
+def user_logs_dir() -> Path | None:
+    """``TVM_DEFORM_LOGS``: a tuning-log directory (laid out like ``tuning_logs/``) searched
+    before the shipped logs."""
+    value = os.environ.get("TVM_DEFORM_LOGS")
+    return Path(value).expanduser() if value else None
+
+
 #: name -> one-line description, printed by ``tvm-deform info``
 VARIABLES = {
     "TVM_DEFORM_CACHE": "0 turns the on-disk kernel cache off",
     "TVM_DEFORM_CACHE_DIR": "directory of the on-disk kernel cache",
+    "TVM_DEFORM_LOGS": "tuning-log directory searched before the shipped logs",
+    "TVM_DEFORM_TUNED": "0 ignores all tuning logs (default schedules only)",
     "TVM_NUM_THREADS": "size of TVM's CPU thread pool (set to all cores by tvm_deform)",
     "TVM_BIND_THREADS": "1 lets TVM pin threads to cores (tvm_deform sets 0)",
 }

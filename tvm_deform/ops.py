@@ -13,18 +13,20 @@ from .validation import as_pair, check_arguments
 __all__ = ["deform_conv2d"]
 
 
-def _run_cpu(
+def run_cpu(
     shape: ConvShape,
     input: torch.Tensor,
     offset: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     mask: torch.Tensor | None,
+    kernel: build.Kernel | None = None,
 ) -> torch.Tensor:
+    """Run ``kernel`` (default: the one dispatch picks for ``shape``) on validated tensors."""
     output = input.new_empty((shape.batch, shape.out_channels, shape.out_h, shape.out_w))
     if shape.batch == 0:
         return output
-    kernel = build.get_kernel(shape)
+    kernel = kernel or build.get_kernel(shape)
     build.configure_threads(torch.get_num_threads())
     pixels = shape.out_h * shape.out_w
     # .contiguous() returns the tensor itself when it already is; the views below are free, so a
@@ -72,7 +74,7 @@ def _deform_conv2d(
             f"tvm_deform.deform_conv2d has no kernel for {input.device.type} tensors yet "
             "(CPU only in this version)"
         )
-    return _run_cpu(shape, input, offset, weight, bias, mask)
+    return run_cpu(shape, input, offset, weight, bias, mask)
 
 
 @_deform_conv2d.register_fake

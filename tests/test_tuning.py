@@ -1,0 +1,138 @@
+"""MetaSchedule tuning: smoke tune and resume, tuned dispatch, log fallbacks, shipped records."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import torchvision.ops
+import tvm
+from conftest import assert_close
+from reference import deform_conv2d_reference
+from tvm.s_tir import meta_schedule as ms
+
+from tvm_deform import build, deform_conv2d, logs
+from tvm_deform.bench import conv_kwargs, random_inputs
+from tvm_deform.definition import ConvShape
+from tvm_deform.suite import load_suite
+from tvm_deform.tuning import count_records, tune
+
+TINY = ConvShape(1, 8, 10, 10, 8, 3, 3, pad_h=1, pad_w=1, has_bias=True)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_lookups():
+    logs.forget_databases()
+    build.clear_memory_cache()
+    yield
+    logs.forget_databases()
+    build.clear_memory_cache()
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """A smoke tune of a tiny workload (a few trials), then a second run resuming from it."""
+    root = tmp_path_factory.mktemp("tune")
+    work, out = root / "work", root / "logs"
+    first = tune({"tiny": TINY}, 3, work, logs_dir=out, progress=lambda *_: None)
+    second = tune({"tiny": TINY}, 2, work, logs_dir=out, progress=lambda *_: None)
+    return first[0], second[0], work, out
+
+
+def check_against_reference(shape: ConvShape) -> None:
+    inputs = random_inputs(shape)
+    args = (inputs["input"], inputs["offset"], inputs["weight"], inputs["bias"])
+    kwargs = conv_kwargs(shape) | dict(mask=inputs["mask"])
+    assert_close(deform_conv2d(*args, **kwargs), deform_conv2d_reference(*args, **kwargs), 1e-6)
+
+
+def test_smoke_tune_runs_and_resumes(tuned):
+    first, second, work, out = tuned
+    assert first.trials >= 1 and first.best_ms is not None
+    assert second.trials > first.trials  # the second run added to the same database
+    key = build.hardware_key(build.host_target())
+    manifest = json.loads((out / key / "manifest.json").read_text())
+    assert manifest["tvm_version"] == tvm.__version__
+    assert manifest["workloads"]["tiny"]["handwritten"]["trials"] == second.trials
+    pruned = count_records(out / key / "handwritten", TINY)
+    assert 1 <= pruned <= 3
+    assert count_records(work / key / "handwritten", TINY) == second.trials
+
+
+def test_tuned_record_is_dispatched_and_correct(tuned, monkeypatch):
+    *_, out = tuned
+    monkeypatch.setenv("TVM_DEFORM_LOGS", str(out))
+    record = build.resolve(TINY, build.host_target())
+    assert record is not None and record.space == "handwritten"
+    assert record.hardware_key == build.hardware_key(build.host_target())
+    check_against_reference(TINY)
+    monkeypatch.setenv("TVM_DEFORM_TUNED", "0")
+    assert build.resolve(TINY, build.host_target()) is None
+    check_against_reference(TINY)
+
+
+def test_corrupt_log_directory_falls_back_with_a_warning(tmp_path, monkeypatch):
+    space = tmp_path / build.hardware_key(build.host_target()) / "handwritten"
+    space.mkdir(parents=True)
+    (space / "database_workload.json").write_text("{ not json")
+    (space / "database_tuning_record.json").write_text("[1, 2")
+    monkeypatch.setenv("TVM_DEFORM_LOGS", str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="ignoring unreadable tuning log"):
+        assert build.resolve(TINY, build.host_target()) is None
+    check_against_reference(TINY)
+
+
+def test_missing_log_directory_falls_back_with_a_warning(tmp_path, monkeypatch):
+    monkeypatch.setenv("TVM_DEFORM_LOGS", str(tmp_path / "nowhere"))
+    with pytest.warns(RuntimeWarning, match="does not exist"):
+        assert build.resolve(TINY, build.host_target()) is None
+
+
+def shipped_databases():
+    root = logs.shipped_logs_dir()
+    return sorted(p.parent for p in root.glob("*/*/*/database_workload.json"))
+
+
+@pytest.mark.parametrize("directory", shipped_databases(), ids=lambda p: str(p.parent.name))
+def test_every_shipped_record_matches_a_suite_workload(directory):
+    suite = {name: logs.workload_module(shape) for name, shape in load_suite().items()}
+    db = ms.database.JSONDatabase(work_dir=str(directory), allow_missing=False)
+    records = db.get_all_tuning_records()
+    assert records, f"{directory} holds no records"
+    for record in records:
+        assert any(tvm.ir.structural_equal(record.workload.mod, mod) for mod in suite.values()), (
+            f"a record in {directory} matches no suite workload of the current definition"
+        )
+
+
+def test_shipped_records_give_correct_kernels():
+    """Every suite workload that resolves to a shipped record for this machine is correct."""
+    target = build.host_target()
+    resolved = {
+        name: shape
+        for name, shape in load_suite().items()
+        if build.resolve(shape, target) is not None
+    }
+    if not resolved:
+        pytest.skip(f"no shipped tuning logs for {build.hardware_key(target)}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name, shape in resolved.items():
+            inputs = random_inputs(shape)
+            args = (inputs["input"], inputs["offset"], inputs["weight"], inputs["bias"])
+            kwargs = conv_kwargs(shape) | dict(mask=inputs["mask"])
+            ours = deform_conv2d(*args, **kwargs)
+            assert_close(ours, torchvision.ops.deform_conv2d(*args, **kwargs), 2e-6, name)
+
+
+def test_suite_has_the_layers_users_run():
+    suite = load_suite()
+    assert len(suite) >= 10
+    assert suite["seed"] == ConvShape(2, 3, 5, 5, 5, 3, 3)
+    assert any(s.offset_groups == 4 for s in suite.values())
+    assert any(s.batch == 8 for s in suite.values())
+    assert any(s.stride_h == 2 for s in suite.values())
+    assert any(s.weight_groups > 1 for s in suite.values())
+    assert torch.tensor([s.in_channels for s in suite.values()]).max() == 512

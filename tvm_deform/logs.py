@@ -1,0 +1,151 @@
+"""Tuning-log lookup (build and dispatch layer): which tuned schedule, if any, a shape gets.
+
+The fallback chain, first match wins:
+
+1. the user's log directory (``TVM_DEFORM_LOGS``), then the shipped ``tuning_logs``;
+2. in each, the exact hardware key (``llvm/znver4``), then a compatible one (another CPU of
+   the same target kind with the same vector width, from its manifest);
+3. within a hardware key, the fastest record over the design spaces found there;
+4. no record: the default schedule.
+
+A missing or corrupt log directory is skipped with a warning, never an exception.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import warnings
+from importlib import resources
+from pathlib import Path
+
+import tvm
+from tvm import s_tir
+from tvm.s_tir import meta_schedule as ms
+from tvm.target import Target
+
+from . import definition, env
+from .definition import ConvShape
+
+
+def workload_module(shape: ConvShape) -> tvm.IRModule:
+    """The module MetaSchedule tunes and the lookup queries for ``shape``."""
+    return tvm.IRModule({"main": definition.forward(shape)})
+
+
+def shipped_logs_dir() -> Path:
+    """The tuning logs installed with the package (``tuning_logs/`` in the repository)."""
+    return Path(str(resources.files("tvm_deform.tuning_logs")))
+
+
+def log_roots() -> list[Path]:
+    roots = [env.user_logs_dir(), shipped_logs_dir()]
+    return [root for root in roots if root is not None]
+
+
+@dataclasses.dataclass(frozen=True)
+class TunedRecord:
+    """The best tuning record found for a shape, and where it came from."""
+
+    directory: Path
+    hardware_key: str
+    space: str
+    run_ms: float | None
+    record: ms.database.TuningRecord
+
+    @property
+    def identity(self) -> str:
+        """Names the schedule (for kernel cache keys): its space and trace."""
+        return f"{self.space}:{self.record.trace}"
+
+
+@functools.cache
+def _database(directory: str) -> ms.database.JSONDatabase | None:
+    try:
+        return ms.database.JSONDatabase(work_dir=directory, allow_missing=False)
+    except Exception as error:  # noqa: BLE001 - any unreadable database is skipped
+        warnings.warn(
+            f"ignoring unreadable tuning log {directory}: {error}", RuntimeWarning, stacklevel=4
+        )
+        return None
+
+
+def _manifest(key_dir: Path) -> dict:
+    try:
+        return json.loads((key_dir / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _vector_bits(target: Target) -> int:
+    from .schedules.cpu import vector_bytes
+
+    return vector_bytes(target) * 8
+
+
+def candidate_keys(root: Path, target: Target, hardware_key: str) -> list[str]:
+    """The hardware keys to try under ``root``: the exact one, then compatible ones."""
+    keys = [hardware_key]
+    kind_dir = root / target.kind.name
+    if target.kind.name == "llvm" and kind_dir.is_dir():
+        bits = _vector_bits(target)
+        for other in sorted(kind_dir.iterdir()):
+            key = f"{target.kind.name}/{other.name}"
+            if key != hardware_key and _manifest(other).get("vector_bits") == bits:
+                keys.append(key)
+    return keys
+
+
+def _record_ms(record: ms.database.TuningRecord) -> float | None:
+    secs = [float(s) for s in (record.run_secs or [])]
+    return sum(secs) / len(secs) * 1e3 if secs else None
+
+
+def best_in(directory: Path, mod: tvm.IRModule) -> ms.database.TuningRecord | None:
+    """The fastest record of ``mod`` in the database at ``directory``, if any."""
+    if not (directory / "database_workload.json").exists():
+        return None
+    db = _database(str(directory))
+    if db is None or not db.has_workload(mod):
+        return None
+    records = db.get_top_k(db.commit_workload(mod), 1)
+    return records[0] if records else None
+
+
+def find_record(shape: ConvShape, target: Target, hardware_key: str) -> TunedRecord | None:
+    """The tuned record ``shape`` resolves to on ``target`` (see the module docstring)."""
+    mod = workload_module(shape)
+    for root in log_roots():
+        if not root.is_dir():
+            if root != shipped_logs_dir():
+                warnings.warn(
+                    f"tuning log directory {root} does not exist", RuntimeWarning, stacklevel=3
+                )
+            continue
+        for key in candidate_keys(root, target, hardware_key):
+            key_dir = root / key
+            if not key_dir.is_dir():
+                continue
+            found = []
+            for space_dir in sorted(p for p in key_dir.iterdir() if p.is_dir()):
+                record = best_in(space_dir, mod)
+                if record is not None:
+                    found.append(
+                        TunedRecord(space_dir, key, space_dir.name, _record_ms(record), record)
+                    )
+            if found:
+                return min(found, key=lambda r: float("inf") if r.run_ms is None else r.run_ms)
+    return None
+
+
+def tuned_schedule(shape: ConvShape, record: TunedRecord) -> s_tir.Schedule:
+    """``shape``'s PrimFunc with ``record``'s trace applied (postprocessing included)."""
+    sch = s_tir.Schedule(workload_module(shape))
+    record.record.trace.apply_to_schedule(sch, remove_postproc=False)
+    return sch
+
+
+def forget_databases() -> None:
+    """Drop the databases read so far (after the log files changed)."""
+    _database.cache_clear()

@@ -1,0 +1,279 @@
+"""MetaSchedule tuning (tools layer): the workload suite, tuning runs and the pruned logs.
+
+Layout of a tuning directory (the work directory, or the shipped ``tuning_logs``)::
+
+    <root>/<hardware key>/<space>/database_workload.json
+    <root>/<hardware key>/<space>/database_tuning_record.json
+    <root>/<hardware key>/manifest.json
+
+One database per hardware key and per design space: MetaSchedule's database ignores the target
+when it answers a query, so databases of different machines are never merged, and keeping the
+spaces apart lets the dispatcher and ``tvm-deform info`` say which space a record came from.
+
+A tuning run resumes from the work directory's database (the evolutionary search starts from its
+best records) and adds ``trials`` more; each task runs in a child process that is retried once if
+it crashes (MetaSchedule has been seen to segfault while setting up), records already written
+survive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import multiprocessing
+import os
+import platform
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+import tvm
+from tvm.s_tir import meta_schedule as ms
+from tvm.target import Target
+
+from . import __version__, build
+from .definition import ConvShape
+from .logs import workload_module
+from .schedules.cpu import HandwrittenSpace, vector_bytes
+
+#: design spaces: name -> how MetaSchedule generates it
+SPACES = ("handwritten", "generic")
+#: records kept per workload and space when the logs are pruned
+KEEP_PER_WORKLOAD = 3
+
+
+def database(directory: Path) -> ms.database.JSONDatabase:
+    directory.mkdir(parents=True, exist_ok=True)
+    return ms.database.JSONDatabase(work_dir=str(directory), allow_missing=True)
+
+
+def _space_generator(space: str):
+    if space == "handwritten":
+        return ms.space_generator.ScheduleFn(HandwrittenSpace())
+    if space == "generic":
+        return "post-order-apply"
+    raise ValueError(f"unknown design space {space!r}; expected one of {SPACES}")
+
+
+def _builder_initializer() -> None:
+    # Imported once per builder worker: the first build would otherwise import it lazily and
+    # run into the build timeout on a 2-core machine.
+    import tvm.s_tir.tensor_intrin  # noqa: F401
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskResult:
+    workload: str
+    space: str
+    trials: int
+    best_ms: float | None
+    gflops: float | None
+
+
+def _tune_task(
+    name: str, shape: ConvShape, space: str, target_json: str, trials: int, directory: str
+) -> None:
+    """One (workload, space) tuning run; runs in a child process."""
+    target = Target(json.loads(target_json))
+    mod = workload_module(shape)
+    db = database(Path(directory))
+    per_iter = min(16, trials)
+    ms.tune_tir(
+        mod,
+        target,
+        work_dir=str(Path(directory) / "runs" / name),
+        max_trials_global=trials,
+        num_trials_per_iter=per_iter,
+        builder=ms.builder.LocalBuilder(timeout_sec=300, initializer=_builder_initializer),
+        runner=ms.runner.LocalRunner(timeout_sec=120),
+        database=db,
+        space=_space_generator(space),
+        # The hand-written space has few points: a small population suffices.
+        strategy=ms.search_strategy.EvolutionarySearch(
+            population_size=128 if space == "handwritten" else 256,
+            init_min_unmeasured=16,
+            genetic_num_iters=2,
+        ),
+        num_tuning_cores=os.cpu_count() or 1,
+    )
+
+
+def best_record(directory: Path, shape: ConvShape) -> ms.database.TuningRecord | None:
+    """The fastest record for ``shape`` in the database at ``directory`` (None if absent)."""
+    if not (directory / "database_workload.json").exists():
+        return None
+    db = ms.database.JSONDatabase(work_dir=str(directory), allow_missing=False)
+    mod = workload_module(shape)
+    if not db.has_workload(mod):
+        return None
+    records = db.get_top_k(db.commit_workload(mod), 1)
+    return records[0] if records else None
+
+
+def record_seconds(record: ms.database.TuningRecord) -> float | None:
+    secs = [float(s) for s in (record.run_secs or [])]
+    return sum(secs) / len(secs) if secs else None
+
+
+def count_records(directory: Path, shape: ConvShape) -> int:
+    if not (directory / "database_workload.json").exists():
+        return 0
+    db = ms.database.JSONDatabase(work_dir=str(directory), allow_missing=False)
+    mod = workload_module(shape)
+    if not db.has_workload(mod):
+        return 0
+    return len(db.get_top_k(db.commit_workload(mod), 1_000_000))
+
+
+def tune(
+    workloads: dict[str, ConvShape],
+    trials: int,
+    work_dir: str | os.PathLike,
+    spaces: Iterable[str] = ("handwritten",),
+    target: Target | None = None,
+    logs_dir: str | os.PathLike | None = None,
+    progress=print,
+) -> list[TaskResult]:
+    """Tune every workload in every space for ``trials`` more trials, resuming from
+    ``work_dir``; then, if ``logs_dir`` is given, write the pruned logs there."""
+    target = target or build.host_target()
+    key = build.hardware_key(target)
+    results = []
+    context = multiprocessing.get_context("spawn")
+    for space in spaces:
+        _space_generator(space)  # reject an unknown space before any work
+    for name, shape in workloads.items():
+        for space in spaces:
+            directory = Path(work_dir) / key / space
+            before = count_records(directory, shape)
+            progress(f"[{name} / {space}] tuning {trials} trials ({before} already done)")
+            for attempt in range(2):
+                process = context.Process(
+                    target=_tune_task,
+                    args=(
+                        name,
+                        shape,
+                        space,
+                        json.dumps(_target_dict(target)),
+                        trials,
+                        str(directory),
+                    ),
+                )
+                process.start()
+                process.join()
+                if process.exitcode == 0:
+                    break
+                progress(
+                    f"[{name} / {space}] tuning process exited with {process.exitcode}; "
+                    + ("retrying" if attempt == 0 else "giving up on this task")
+                )
+            record = best_record(directory, shape)
+            seconds = record_seconds(record) if record is not None else None
+            result = TaskResult(
+                name,
+                space,
+                count_records(directory, shape),
+                None if seconds is None else seconds * 1e3,
+                None if seconds is None else shape.gemm_flops / seconds / 1e9,
+            )
+            results.append(result)
+            best = (
+                "no valid record"
+                if seconds is None
+                else (f"best {result.best_ms:.3f} ms, {result.gflops:.0f} GFLOP/s")
+            )
+            progress(f"[{name} / {space}] {result.trials} trials in the database, {best}")
+    if logs_dir is not None:
+        write_pruned_logs(work_dir, logs_dir, workloads, spaces, target)
+    return results
+
+
+def _target_dict(target: Target) -> dict:
+    return (
+        {"kind": target.kind.name}
+        | {k: v for k, v in dict(target.attrs).items()}
+        | ({"host": _target_dict(target.host)} if target.host is not None else {})
+    )
+
+
+def write_pruned_logs(
+    work_dir: str | os.PathLike,
+    logs_dir: str | os.PathLike,
+    workloads: dict[str, ConvShape],
+    spaces: Iterable[str],
+    target: Target,
+) -> Path:
+    """Copy the best ``KEEP_PER_WORKLOAD`` records per workload and space from ``work_dir``
+    into ``logs_dir/<hardware key>/<space>/`` and write the manifest. Records of workloads not
+    in ``workloads`` that are already in ``logs_dir`` are kept."""
+    key = build.hardware_key(target)
+    out_root = Path(logs_dir) / key
+    manifest_path = out_root / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    manifest.setdefault("workloads", {})
+    for space in spaces:
+        source = Path(work_dir) / key / space
+        if not (source / "database_workload.json").exists():
+            continue
+        src_db = ms.database.JSONDatabase(work_dir=str(source), allow_missing=False)
+        out_dir = out_root / space
+        tmp_dir = out_root / f".{space}.tmp"
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        previous = (
+            ms.database.JSONDatabase(work_dir=str(out_dir), allow_missing=False)
+            if (out_dir / "database_workload.json").exists()
+            else None
+        )
+        out_db = database(tmp_dir)
+        kept_modules = []
+        for name, shape in workloads.items():
+            mod = workload_module(shape)
+            kept_modules.append(mod)
+            if not src_db.has_workload(mod):
+                continue
+            workload = out_db.commit_workload(mod)
+            top = src_db.get_top_k(src_db.commit_workload(mod), KEEP_PER_WORKLOAD)
+            for record in top:
+                out_db.commit_tuning_record(
+                    ms.database.TuningRecord(
+                        record.trace, workload, record.run_secs, record.target, record.args_info
+                    )
+                )
+            entry = manifest["workloads"].setdefault(name, {})
+            seconds = record_seconds(top[0]) if top else None
+            entry[space] = {
+                "trials": len(src_db.get_top_k(src_db.commit_workload(mod), 1_000_000)),
+                "best_ms": None if seconds is None else round(seconds * 1e3, 4),
+                "shape": dataclasses.asdict(shape),
+            }
+        if previous is not None:  # keep records of workloads outside this run
+            for record in previous.get_all_tuning_records():
+                if not any(tvm.ir.structural_equal(record.workload.mod, m) for m in kept_modules):
+                    out_db.commit_tuning_record(
+                        ms.database.TuningRecord(
+                            record.trace,
+                            out_db.commit_workload(record.workload.mod),
+                            record.run_secs,
+                            record.target,
+                            record.args_info,
+                        )
+                    )
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp_dir, out_dir)
+    manifest.update(
+        {
+            "hardware_key": key,
+            "target": str(target),
+            "cpu": platform.processor() or platform.machine(),
+            "vector_bits": vector_bytes(target) * 8,
+            "tuning_threads": int(target.attrs.get("num-cores", os.cpu_count() or 1)),
+            "tvm_version": tvm.__version__,
+            "tvm_deform_version": __version__,
+            "date": datetime.date.today().isoformat(),
+            "kept_per_workload": KEEP_PER_WORKLOAD,
+        }
+    )
+    out_root.mkdir(parents=True, exist_ok=True)
+    manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return out_root
