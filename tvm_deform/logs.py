@@ -97,7 +97,8 @@ def candidate_keys(root: Path, target: Target, hardware_key: str) -> list[str]:
     return keys
 
 
-def _record_ms(record: ms.database.TuningRecord) -> float | None:
+def record_ms(record: ms.database.TuningRecord) -> float | None:
+    """A record's measured run time in milliseconds (mean of its runs), if it has one."""
     secs = [float(s) for s in (record.run_secs or [])]
     return sum(secs) / len(secs) * 1e3 if secs else None
 
@@ -132,7 +133,7 @@ def find_record(shape: ConvShape, target: Target, hardware_key: str) -> TunedRec
                 record = best_in(space_dir, mod)
                 if record is not None:
                     found.append(
-                        TunedRecord(space_dir, key, space_dir.name, _record_ms(record), record)
+                        TunedRecord(space_dir, key, space_dir.name, record_ms(record), record)
                     )
             if found:
                 return min(found, key=lambda r: float("inf") if r.run_ms is None else r.run_ms)

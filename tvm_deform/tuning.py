@@ -29,12 +29,13 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import tvm
+import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 from tvm.target import Target
 
 from . import __version__, build
 from .definition import ConvShape
-from .logs import workload_module
+from .logs import record_ms, workload_module
 from .schedules.cpu import HandwrittenSpace, vector_bytes
 
 #: design spaces: name -> how MetaSchedule generates it
@@ -99,31 +100,20 @@ def _tune_task(
     )
 
 
-def best_record(directory: Path, shape: ConvShape) -> ms.database.TuningRecord | None:
-    """The fastest record for ``shape`` in the database at ``directory`` (None if absent)."""
+def records(directory: Path, shape: ConvShape) -> list[ms.database.TuningRecord]:
+    """Every valid record of ``shape`` in the database at ``directory``, fastest first (read
+    afresh: the files change while tuning)."""
     if not (directory / "database_workload.json").exists():
-        return None
+        return []
     db = ms.database.JSONDatabase(work_dir=str(directory), allow_missing=False)
     mod = workload_module(shape)
     if not db.has_workload(mod):
-        return None
-    records = db.get_top_k(db.commit_workload(mod), 1)
-    return records[0] if records else None
-
-
-def record_seconds(record: ms.database.TuningRecord) -> float | None:
-    secs = [float(s) for s in (record.run_secs or [])]
-    return sum(secs) / len(secs) if secs else None
+        return []
+    return list(db.get_top_k(db.commit_workload(mod), 1_000_000))
 
 
 def count_records(directory: Path, shape: ConvShape) -> int:
-    if not (directory / "database_workload.json").exists():
-        return 0
-    db = ms.database.JSONDatabase(work_dir=str(directory), allow_missing=False)
-    mod = workload_module(shape)
-    if not db.has_workload(mod):
-        return 0
-    return len(db.get_top_k(db.commit_workload(mod), 1_000_000))
+    return len(records(directory, shape))
 
 
 def tune(
@@ -168,25 +158,35 @@ def tune(
                     f"[{name} / {space}] tuning process exited with {process.exitcode}; "
                     + ("retrying" if attempt == 0 else "giving up on this task")
                 )
-            record = best_record(directory, shape)
-            seconds = record_seconds(record) if record is not None else None
+            found = records(directory, shape)
+            best_ms = record_ms(found[0]) if found else None
             result = TaskResult(
                 name,
                 space,
-                count_records(directory, shape),
-                None if seconds is None else seconds * 1e3,
-                None if seconds is None else shape.gemm_flops / seconds / 1e9,
+                len(found),
+                best_ms,
+                None if best_ms is None else shape.gemm_flops / best_ms / 1e6,
             )
             results.append(result)
             best = (
                 "no valid record"
-                if seconds is None
+                if best_ms is None
                 else (f"best {result.best_ms:.3f} ms, {result.gflops:.0f} GFLOP/s")
             )
             progress(f"[{name} / {space}] {result.trials} trials in the database, {best}")
     if logs_dir is not None:
         write_pruned_logs(work_dir, logs_dir, workloads, spaces, target)
     return results
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _target_dict(target: Target) -> dict:
@@ -241,15 +241,15 @@ def write_pruned_logs(
                     )
                 )
             entry = manifest["workloads"].setdefault(name, {})
-            seconds = record_seconds(top[0]) if top else None
+            best_ms = record_ms(top[0]) if top else None
             entry[space] = {
-                "trials": len(src_db.get_top_k(src_db.commit_workload(mod), 1_000_000)),
-                "best_ms": None if seconds is None else round(seconds * 1e3, 4),
+                "trials": count_records(source, shape),
+                "best_ms": None if best_ms is None else round(best_ms, 4),
                 "shape": dataclasses.asdict(shape),
             }
         if previous is not None:  # keep records of workloads outside this run
             for record in previous.get_all_tuning_records():
-                if not any(tvm.ir.structural_equal(record.workload.mod, m) for m in kept_modules):
+                if not any(tvm_ffi.structural_equal(record.workload.mod, m) for m in kept_modules):
                     out_db.commit_tuning_record(
                         ms.database.TuningRecord(
                             record.trace,
@@ -265,7 +265,7 @@ def write_pruned_logs(
         {
             "hardware_key": key,
             "target": str(target),
-            "cpu": platform.processor() or platform.machine(),
+            "cpu": _cpu_model(),
             "vector_bits": vector_bytes(target) * 8,
             "tuning_threads": int(target.attrs.get("num-cores", os.cpu_count() or 1)),
             "tvm_version": tvm.__version__,
