@@ -108,9 +108,8 @@ def compare_layer(name: str, shape: ConvShape, peers: Sequence[str] = ()) -> lis
     side by side on the same random inputs, checking each against torchvision's output."""
     import torchvision.ops
 
-    from . import build
+    from . import build, logs
     from .ops import run_cpu
-    from .peers import PEERS
 
     inputs = random_inputs(shape)
     kwargs = conv_kwargs(shape)
@@ -122,20 +121,14 @@ def compare_layer(name: str, shape: ConvShape, peers: Sequence[str] = ()) -> lis
             x, offset, weight, bias, mask=mask, **kwargs
         ),
     }
-    # The default schedule, and the tuned one when the logs hold a record for this shape.
-    default = build.get_kernel(shape, tuned=False)
-    candidates["tvm_deform default"] = functools.partial(
-        run_cpu, shape, x, offset, weight, bias, mask, default
-    )
-    record = build.resolve(shape, build.host_target())
-    if record is not None:
-        tuned = build.get_kernel(shape, tuned=True)
-        candidates[f"tvm_deform tuned ({record.space})"] = functools.partial(
-            run_cpu, shape, x, offset, weight, bias, mask, tuned
-        )
-    for peer in peers:
-        run = PEERS[peer](shape, weight, bias, torch.get_num_threads())
-        candidates[peer] = functools.partial(run, x, offset, mask)
+    # The default schedule, and each design space's best tuned record for this shape.
+    target = build.host_target()
+    kernels = {"tvm_deform default": build.get_kernel(shape, target, tuned=False)}
+    for record in logs.find_records(shape, target, build.hardware_key(target)):
+        module = build.compile_kernel(shape, target, record)
+        kernels[f"tvm_deform tuned {record.space}"] = module["deform_conv2d"]
+    for label, kernel in kernels.items():
+        candidates[label] = functools.partial(run_cpu, shape, x, offset, weight, bias, mask, kernel)
     candidates["conv2d (dense)"] = lambda: torch.nn.functional.conv2d(
         x, weight, bias, groups=shape.weight_groups, **kwargs
     )

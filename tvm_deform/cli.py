@@ -18,6 +18,7 @@ from .definition import ConvShape
 from .ops import deform_conv2d
 from .peers import available_peers
 from .suite import QUICK, load_suite
+from .tuning import SPACES
 
 
 def _torchvision():
@@ -64,31 +65,26 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def print_table(layers: dict[str, ConvShape], peers: Sequence[str]) -> None:
     """Time every layer (see :func:`tvm_deform.bench.compare_layer`) and print a markdown
-    table: median times; for tvm_deform's fastest schedule (tuned when the logs have it), the
-    speed-up over torchvision, the ratio to dense conv2d and GFLOP/s; and the largest relative
-    error of any implementation against torchvision."""
-    names = ["torchvision", "tvm_deform default", "tvm_deform tuned", *peers, "conv2d (dense)"]
+    table: median times; for tvm_deform's fastest schedule (default or tuned), the speed-up over
+    torchvision, the ratio to dense conv2d and GFLOP/s; and the largest relative error of any
+    implementation against torchvision."""
+    ours = ["tvm_deform default", *(f"tvm_deform tuned {space}" for space in SPACES)]
+    names = ["torchvision", *ours, *peers, "conv2d (dense)"]
     print(
-        "| layer | " + " | ".join(f"{n} ms" for n in names) + " | tuned space "
+        "| layer | " + " | ".join(f"{n} ms" for n in names) + " "
         "| speed-up vs torchvision | x dense conv2d | GFLOP/s | max rel. error |"
     )
-    print("|---" * (len(names) + 6) + "|")
+    print("|---" * (len(names) + 5) + "|")
     for layer, shape in layers.items():
         rows = {row.implementation: row for row in compare_layer(layer, shape, peers)}
-        tuned = next((name for name in rows if name.startswith("tvm_deform tuned")), None)
         ms = {name: rows[name].timing.median_ms for name in rows}
-        ours = min(ms["tvm_deform default"], ms[tuned] if tuned else float("inf"))
+        best = min(ms[name] for name in ours if name in ms)
         errors = [row.error for row in rows.values() if row.error is not None]
-        cells = [
-            f"{ms['torchvision']:.2f}",
-            f"{ms['tvm_deform default']:.2f}",
-            f"{ms[tuned]:.2f}" if tuned else "-",
-            *(f"{ms[name]:.2f}" for name in peers),
-            f"{ms['conv2d (dense)']:.2f}",
-            tuned.removeprefix("tvm_deform tuned (").rstrip(")") if tuned else "-",
-            f"{ms['torchvision'] / ours:.1f}x",
-            f"{ours / ms['conv2d (dense)']:.2f}",
-            f"{shape.gemm_flops / (ours * 1e-3) / 1e9:.0f}",
+        cells = [f"{ms[name]:.2f}" if name in ms else "-" for name in names]
+        cells += [
+            f"{ms['torchvision'] / best:.1f}x",
+            f"{best / ms['conv2d (dense)']:.2f}",
+            f"{shape.gemm_flops / (best * 1e-3) / 1e9:.0f}",
             f"{max(errors):.1e}",
         ]
         print(f"| {layer} | " + " | ".join(cells) + " |", flush=True)
@@ -164,7 +160,7 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from .tuning import SPACES, tune
+    from .tuning import tune
 
     workloads = load_suite(args.suite)
     if args.workload:

@@ -114,8 +114,9 @@ def best_in(directory: Path, mod: tvm.IRModule) -> ms.database.TuningRecord | No
     return records[0] if records else None
 
 
-def find_record(shape: ConvShape, target: Target, hardware_key: str) -> TunedRecord | None:
-    """The tuned record ``shape`` resolves to on ``target`` (see the module docstring)."""
+def find_records(shape: ConvShape, target: Target, hardware_key: str) -> list[TunedRecord]:
+    """The best record of each design space at the first (log root, hardware key) of the
+    fallback chain that has any for ``shape``; empty when none has."""
     mod = workload_module(shape)
     for root in log_roots():
         if not root.is_dir():
@@ -136,8 +137,17 @@ def find_record(shape: ConvShape, target: Target, hardware_key: str) -> TunedRec
                         TunedRecord(space_dir, key, space_dir.name, record_ms(record), record)
                     )
             if found:
-                return min(found, key=lambda r: float("inf") if r.run_ms is None else r.run_ms)
-    return None
+                return found
+    return []
+
+
+def find_record(shape: ConvShape, target: Target, hardware_key: str) -> TunedRecord | None:
+    """The tuned record ``shape`` resolves to on ``target``: the fastest of
+    :func:`find_records` (see the module docstring)."""
+    found = find_records(shape, target, hardware_key)
+    if not found:
+        return None
+    return min(found, key=lambda r: float("inf") if r.run_ms is None else r.run_ms)
 
 
 def tuned_schedule(shape: ConvShape, record: TunedRecord) -> s_tir.Schedule:
