@@ -110,6 +110,7 @@ def compare_layer(name: str, shape: ConvShape, peers: Sequence[str] = ()) -> lis
 
     from . import build, logs
     from .ops import run_cpu
+    from .peers import PEERS
 
     inputs = random_inputs(shape)
     kwargs = conv_kwargs(shape)
@@ -129,6 +130,9 @@ def compare_layer(name: str, shape: ConvShape, peers: Sequence[str] = ()) -> lis
         kernels[f"tvm_deform tuned {record.space}"] = module["deform_conv2d"]
     for label, kernel in kernels.items():
         candidates[label] = functools.partial(run_cpu, shape, x, offset, weight, bias, mask, kernel)
+    for peer in peers:
+        run = PEERS[peer](shape, weight, bias, torch.get_num_threads())
+        candidates[peer] = functools.partial(run, x, offset, mask)
     candidates["conv2d (dense)"] = lambda: torch.nn.functional.conv2d(
         x, weight, bias, groups=shape.weight_groups, **kwargs
     )

@@ -1,0 +1,44 @@
+"""The benchmark helpers and commands (method and output, no timing assertions)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tvm_deform.bench import compare_layer, measure, relative_error
+from tvm_deform.cli import main
+from tvm_deform.definition import ConvShape
+from tvm_deform.peers import available_peers
+
+TINY = ConvShape(1, 4, 9, 9, 4, 3, 3, pad_h=1, pad_w=1, has_bias=True)
+
+
+def test_measure_reports_ordered_quantiles():
+    timing = measure(lambda: sum(range(1000)), warmup=1, min_runs=7, min_seconds=0.0)
+    assert timing.runs >= 7
+    assert 0 < timing.p20_ms <= timing.median_ms <= timing.p80_ms
+
+
+def test_compare_layer_checks_every_implementation_against_torchvision():
+    rows = {row.implementation: row for row in compare_layer("tiny", TINY, available_peers())}
+    assert {"torchvision", "tvm_deform default", "conv2d (dense)"} <= set(rows)
+    assert set(available_peers()) <= set(rows)
+    for name, row in rows.items():
+        assert row.timing.median_ms > 0
+        if name == "conv2d (dense)":
+            assert row.error is None  # a different operation: timed, not compared
+        else:
+            assert row.error < 1e-6, name
+
+
+def test_relative_error():
+    import torch
+
+    assert relative_error(torch.ones(4), torch.ones(4)) == 0.0
+    assert relative_error(torch.tensor([1.0, 1.0]), torch.tensor([1.0, 0.0])) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("command", [["info"], ["diagnose"]])
+def test_commands_run(command, capsys):
+    assert main(command) == 0
+    out = capsys.readouterr().out
+    assert ("hardware key" in out) if command == ["info"] else ("4336" in out)
