@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .modules import DeformConv2d
 from .ops import deform_conv2d
 from .validation import as_pair
 
@@ -171,9 +172,10 @@ def npu_deformable_conv2d(
     return output, offset_out
 
 
-class ModulatedDeformConv2d(nn.Module):
-    """mmcv's ``ModulatedDeformConv2d``: ``forward(x, offset, mask)``, mmcv's parameter names
-    and initialisation (uniform weight with ``1 / sqrt(C_in * kh * kw)``, zero bias)."""
+class ModulatedDeformConv2d(DeformConv2d):
+    """mmcv's ``ModulatedDeformConv2d``: ``forward(x, offset, mask)``, mmcv's constructor
+    (``deform_groups``), parameter names and initialisation (uniform weight with bound
+    ``1 / sqrt(C_in * kh * kw)``, zero bias)."""
 
     def __init__(
         self,
@@ -187,46 +189,30 @@ class ModulatedDeformConv2d(nn.Module):
         deform_groups: int = 1,
         bias: bool = True,
     ) -> None:
-        super().__init__()
-        if in_channels % groups or out_channels % groups:
-            raise ValueError(
-                f"in_channels ({in_channels}) and out_channels ({out_channels}) must be "
-                f"divisible by groups ({groups})"
-            )
-        if in_channels % deform_groups:
+        if deform_groups <= 0 or in_channels % deform_groups:
             raise ValueError(
                 f"in_channels ({in_channels}) must be divisible by deform_groups ({deform_groups})"
             )
-        self.in_channels = in_channels
-        self.out_channels = out_channels
-        self.kernel_size = as_pair(kernel_size, "kernel_size")
-        self.stride = as_pair(stride, "stride")
-        self.padding = as_pair(padding, "padding")
-        self.dilation = as_pair(dilation, "dilation")
-        self.groups = groups
         self.deform_groups = deform_groups
-        self.weight = nn.Parameter(
-            torch.empty(out_channels, in_channels // groups, *self.kernel_size)
+        super().__init__(
+            in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias
         )
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_channels))
-        else:
-            self.register_parameter("bias", None)
-        self.init_weights()
 
-    def init_weights(self) -> None:
+    def reset_parameters(self) -> None:
         fan_in = self.in_channels * self.kernel_size[0] * self.kernel_size[1]
         bound = 1.0 / math.sqrt(fan_in)
         nn.init.uniform_(self.weight, -bound, bound)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def forward(
+    def init_weights(self) -> None:
+        """mmcv's name for :meth:`reset_parameters`."""
+        self.reset_parameters()
+
+    def forward(  # type: ignore[override]
         self, x: torch.Tensor, offset: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        return deform_conv2d(
-            x, offset, self.weight, self.bias, self.stride, self.padding, self.dilation, mask
-        )
+        return super().forward(x, offset, mask)
 
 
 class ModulatedDeformConv2dPack(ModulatedDeformConv2d):
@@ -248,11 +234,11 @@ class ModulatedDeformConv2dPack(ModulatedDeformConv2d):
             dilation=self.dilation,
             bias=True,
         )
-        self.init_weights()
+        self.reset_parameters()
 
-    def init_weights(self) -> None:
-        super().init_weights()
-        if hasattr(self, "conv_offset"):
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if hasattr(self, "conv_offset"):  # not yet while the base constructor runs
             nn.init.zeros_(self.conv_offset.weight)
             nn.init.zeros_(self.conv_offset.bias)
 
