@@ -10,11 +10,12 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[test,peers]'
+	$(VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[test,peers,plot]'
 	touch $@
 
 demo: $(STAMP)
 	$(VENV)/bin/tvm-deform demo
+	$(VENV)/bin/tvm-deform compare --quick
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

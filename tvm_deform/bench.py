@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -103,9 +105,15 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-300))
 
 
-def compare_layer(name: str, shape: ConvShape, peers: Sequence[str] = ()) -> list[Row]:
-    """Time torchvision, tvm_deform, the named CPU ``peers`` and dense conv2d on ``shape``,
-    side by side on the same random inputs, checking each against torchvision's output."""
+def compare_layer(
+    name: str,
+    shape: ConvShape,
+    peers: Sequence[str] = (),
+    other_logs: str | os.PathLike | None = None,
+) -> list[Row]:
+    """Time torchvision, tvm_deform (default schedule, and each tuned design space found in the
+    logs, and in ``other_logs`` when given), the named CPU ``peers`` and dense conv2d on
+    ``shape``, side by side on the same random inputs, checking each against torchvision."""
     import torchvision.ops
 
     from . import build, logs
@@ -128,6 +136,11 @@ def compare_layer(name: str, shape: ConvShape, peers: Sequence[str] = ()) -> lis
     for record in logs.find_records(shape, target, build.hardware_key(target)):
         module = build.compile_kernel(shape, target, record)
         kernels[f"tvm_deform tuned {record.space}"] = module["deform_conv2d"]
+    if other_logs is not None:
+        key = build.hardware_key(target)
+        for record in logs.find_records(shape, target, key, roots=[Path(other_logs)]):
+            module = build.compile_kernel(shape, target, record)
+            kernels[f"tvm_deform tuned {record.space} (other logs)"] = module["deform_conv2d"]
     for label, kernel in kernels.items():
         candidates[label] = functools.partial(run_cpu, shape, x, offset, weight, bias, mask, kernel)
     for peer in peers:

@@ -1,4 +1,5 @@
-"""The ``tvm-deform`` command (also ``python -m tvm_deform``): demo, bench, diagnose, info, tune."""
+"""The ``tvm-deform`` command (also ``python -m tvm_deform``): demo, bench, compare, diagnose, info,
+tune."""
 
 from __future__ import annotations
 
@@ -126,6 +127,41 @@ def run_diagnose(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_compare(args: argparse.Namespace) -> int:
+    from . import compare
+
+    _torchvision()
+    suite = load_suite(args.suite)
+    if args.workload:
+        unknown = sorted(set(args.workload) - set(suite))
+        if unknown:
+            raise SystemExit(f"unknown workload(s) {unknown}; the suite has {sorted(suite)}")
+        names = args.workload
+    else:
+        names = [name for name in QUICK if name in suite] if args.quick else list(suite)
+    peers = [] if args.no_peers else available_peers()
+    records, complete = compare.run({name: suite[name] for name in names}, peers, args.other_logs)
+    out = Path(args.out)
+    table = compare.markdown_table(records)
+    print()
+    print(table)
+    compare.write_csv(records, out / "compare.csv")
+    compare.write_json(records, out / "compare.json")
+    (out / "compare.md").write_text(table)
+    written = ["compare.csv", "compare.json", "compare.md"]
+    if not args.no_plot and records:
+        try:
+            compare.plot(records, out / "compare.png")
+            written.append("compare.png")
+        except RuntimeError as error:
+            print(error)
+    print(f"wrote {', '.join(written)} to {out}/")
+    failed = [r for r in records if r["correct"] is False]
+    if failed:
+        print(f"{len(failed)} result(s) failed the correctness check")
+    return 0 if complete and not failed else 1
+
+
 def run_info(args: argparse.Namespace) -> int:
     import tvm
 
@@ -216,6 +252,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune.add_argument("--work-dir", default="work/tune", help="full tuning databases (resumed)")
     tune.add_argument("--logs-dir", help="where pruned logs go (default: the shipped logs)")
     tune.add_argument("--no-write-logs", action="store_true", help="keep results in work dir")
+    cmp = sub.add_parser("compare", help="schedules vs torchvision, peers and dense conv2d")
+    cmp.add_argument("--quick", action="store_true", help="two layers, about a minute")
+    cmp.add_argument("--suite", help="a suite JSON file instead of the shipped one")
+    cmp.add_argument("--workload", action="append", help="only this suite workload (repeatable)")
+    cmp.add_argument("--other-logs", help="a second tuning-log directory to compare against")
+    cmp.add_argument("--out", default="results", help="directory for the CSV, JSON, MD and PNG")
+    cmp.add_argument("--no-peers", action="store_true", help="leave out ONNX Runtime/OpenVINO")
+    cmp.add_argument("--no-plot", action="store_true", help="skip the PNG")
     sub.add_parser(
         "diagnose", help="the seed bug: the layer in float32 next to its float16 computation"
     )
@@ -226,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "info": run_info,
         "diagnose": run_diagnose,
         "tune": run_tune,
+        "compare": run_compare,
     }
     handler = handlers[args.command]
     return handler(args)

@@ -114,11 +114,14 @@ def best_in(directory: Path, mod: tvm.IRModule) -> ms.database.TuningRecord | No
     return records[0] if records else None
 
 
-def find_records(shape: ConvShape, target: Target, hardware_key: str) -> list[TunedRecord]:
+def find_records(
+    shape: ConvShape, target: Target, hardware_key: str, roots: list[Path] | None = None
+) -> list[TunedRecord]:
     """The best record of each design space at the first (log root, hardware key) of the
-    fallback chain that has any for ``shape``; empty when none has."""
+    fallback chain that has any for ``shape``; empty when none has. ``roots`` replaces the
+    usual log roots (to look at one directory alone)."""
     mod = workload_module(shape)
-    for root in log_roots():
+    for root in log_roots() if roots is None else roots:
         if not root.is_dir():
             if root != shipped_logs_dir():
                 warnings.warn(

@@ -1,0 +1,202 @@
+"""``tvm-deform compare``: schedule performance side by side, as a table, a data file and a plot.
+
+Method (also in the README): every implementation runs on the same random inputs (offsets
+``2 * N(0, 1)``, masks ``U[0, 1)``) in one process; each is called once to compile and warm up,
+then timed until at least 10 runs (5 for torchvision) and 0.3 s, reporting the median and the
+20th/80th percentiles; its output is checked against torchvision's in the same run. The machine's
+peak is measured in the same run as the fastest of 8 large dense float32 GEMMs (torch.mm,
+3072^3) at the same thread count, not taken from a datasheet; oneDNN's dense conv2d can exceed it
+(it did here: about 200 against 150-180 GFLOP/s).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from . import __version__, build
+from .bench import Row, compare_layer
+from .definition import ConvShape
+
+#: a relative error (norm-wise, against torchvision) above this fails the correctness column
+TOLERANCE = {"float32": 1e-5, "float64": 1e-10, "float16": 5e-3, "bfloat16": 3e-2}
+
+
+def measure_peak_gflops(size: int = 3072, runs: int = 8) -> float:
+    """The float32 GEMM rate of this machine at torch's thread count, in GFLOP/s: the fastest
+    of ``runs`` products of two ``size`` x ``size`` matrices (torch.mm) after a warm-up."""
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    torch.mm(a, b)
+    best = min(_seconds(lambda: torch.mm(a, b)) for _ in range(runs))
+    return 2 * size**3 / best / 1e9
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def environment() -> dict[str, object]:
+    """The columns every row repeats: hardware, versions, threads, date."""
+    import tvm
+
+    return {
+        "hardware_key": build.hardware_key(build.host_target()),
+        "cpu": build.host_cpu(),
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+        "tvm_deform": __version__,
+        "tvm": tvm.__version__,
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def rows_for_layer(
+    name: str, shape: ConvShape, measured: list[Row], peak_gflops: float, env: dict
+) -> list[dict[str, object]]:
+    """Long-format records of one layer's measurements, with the derived columns."""
+    by_name = {row.implementation: row for row in measured}
+    tv = by_name["torchvision"].timing.median_ms
+    dense = by_name["conv2d (dense)"].timing.median_ms
+    records = []
+    for row in measured:
+        median = row.timing.median_ms
+        gflops = shape.gemm_flops / (median * 1e-3) / 1e9
+        records.append(
+            {
+                "workload": name,
+                "implementation": row.implementation,
+                "median_ms": median,
+                "p20_ms": row.timing.p20_ms,
+                "p80_ms": row.timing.p80_ms,
+                "runs": row.timing.runs,
+                "gflops": gflops,
+                "peak_fraction": gflops / peak_gflops,
+                "speedup_vs_torchvision": tv / median,
+                "ratio_to_conv2d": median / dense,
+                "rel_error_vs_torchvision": row.error,
+                "correct": None if row.error is None else row.error <= TOLERANCE[shape.dtype],
+                "shape": json.dumps(dataclasses.asdict(shape), sort_keys=True),
+                "peak_gflops": peak_gflops,
+                **env,
+            }
+        )
+    return records
+
+
+def run(
+    workloads: dict[str, ConvShape],
+    peers: Sequence[str] = (),
+    other_logs: str | os.PathLike | None = None,
+    progress: Callable[[str], None] = print,
+) -> tuple[list[dict[str, object]], bool]:
+    """Measure every workload; returns (records, complete). Ctrl-C stops after what was measured
+    so far (``complete`` is then False) instead of losing it."""
+    env = environment()
+    records: list[dict[str, object]] = []
+    try:
+        peak = measure_peak_gflops()
+        progress(f"machine peak (dense float32 GEMM, {env['threads']} threads): {peak:.0f} GFLOP/s")
+        for index, (name, shape) in enumerate(workloads.items(), start=1):
+            progress(f"[{index}/{len(workloads)}] {name}")
+            measured = compare_layer(name, shape, peers, other_logs)
+            records += rows_for_layer(name, shape, measured, peak, env)
+    except KeyboardInterrupt:
+        progress("interrupted: writing what was measured so far")
+        return records, False
+    return records, True
+
+
+def write_csv(records: list[dict[str, object]], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(records[0]) if records else ["workload"])
+        writer.writeheader()
+        writer.writerows(records)
+
+
+def write_json(records: list[dict[str, object]], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(records, indent=1) + "\n")
+
+
+def markdown_table(records: list[dict[str, object]]) -> str:
+    """One line per (workload, implementation): the table the README shows."""
+    lines = [
+        "| workload | implementation | median ms | p20-p80 ms | GFLOP/s | % of peak "
+        "| speed-up vs torchvision | x dense conv2d | rel. error | correct |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        error = (
+            "-" if r["rel_error_vs_torchvision"] is None else f"{r['rel_error_vs_torchvision']:.1e}"
+        )
+        correct = {None: "-", True: "yes", False: "**NO**"}[r["correct"]]
+        lines.append(
+            f"| {r['workload']} | {r['implementation']} | {r['median_ms']:.2f} "
+            f"| {r['p20_ms']:.2f}-{r['p80_ms']:.2f} | {r['gflops']:.0f} "
+            f"| {100 * r['peak_fraction']:.0f}% | {r['speedup_vs_torchvision']:.1f}x "
+            f"| {r['ratio_to_conv2d']:.2f} | {error} | {correct} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(records: list[dict[str, object]], path: Path) -> None:
+    """Bar chart of the speed-up over torchvision per workload and implementation, with the
+    dense conv2d ceiling drawn as a marker. Needs matplotlib (the ``plot`` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError(
+            "the plot needs matplotlib: pip install 'tvm_deform[plot]' (or pass --no-plot)"
+        ) from None
+    workloads = list(dict.fromkeys(str(r["workload"]) for r in records))
+    names = [
+        n
+        for n in dict.fromkeys(str(r["implementation"]) for r in records)
+        if n not in ("torchvision", "conv2d (dense)")
+    ]
+    value = {(r["workload"], r["implementation"]): r["speedup_vs_torchvision"] for r in records}
+    width = 0.8 / max(1, len(names))
+    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(workloads)), 5))
+    for i, name in enumerate(names):
+        xs = [w + (i - (len(names) - 1) / 2) * width for w in range(len(workloads))]
+        ys = [value.get((w, name), math.nan) for w in workloads]
+        ax.bar(xs, ys, width, label=name)
+    ceiling = [value.get((w, "conv2d (dense)"), math.nan) for w in workloads]
+    ax.scatter(
+        range(len(workloads)),
+        ceiling,
+        marker="_",
+        s=900,
+        color="black",
+        zorder=3,
+        label="dense conv2d (ceiling)",
+    )
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_yscale("log")
+    ax.set_ylabel("speed-up over torchvision (log)")
+    ax.set_xticks(range(len(workloads)), workloads, rotation=30, ha="right")
+    threads = records[0]["threads"] if records else "?"
+    ax.set_title(f"deform_conv2d on {records[0]['cpu'] if records else '?'}, {threads} threads")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
