@@ -14,7 +14,6 @@ import torch
 from tvm.target import Target
 
 from . import __version__, build, env
-from .bench import compare_layer
 from .definition import ConvShape
 from .ops import deform_conv2d
 from .peers import available_peers
@@ -60,35 +59,16 @@ def run_demo(args: argparse.Namespace) -> int:
         f"Layer N=1 C=O=64 56x56 3x3 pad 1, random offsets (scale 2), "
         f"{torch.get_num_threads()} threads:"
     )
-    print_table({"demo_64x56x56": shape}, available_peers())
+    print_summary({"demo_64x56x56": shape}, available_peers())
     return 0
 
 
-def print_table(layers: dict[str, ConvShape], peers: Sequence[str]) -> None:
-    """Time every layer (see :func:`tvm_deform.bench.compare_layer`) and print a markdown
-    table: median times; for tvm_deform's fastest schedule (default or tuned), the speed-up over
-    torchvision, the ratio to dense conv2d and GFLOP/s; and the largest relative error of any
-    implementation against torchvision."""
-    ours = ["tvm_deform default", *(f"tvm_deform tuned {space}" for space in SPACES)]
-    names = ["torchvision", *ours, *peers, "conv2d (dense)"]
-    print(
-        "| layer | " + " | ".join(f"{n} ms" for n in names) + " "
-        "| speed-up vs torchvision | x dense conv2d | GFLOP/s | max rel. error |"
-    )
-    print("|---" * (len(names) + 5) + "|")
-    for layer, shape in layers.items():
-        rows = {row.implementation: row for row in compare_layer(layer, shape, peers)}
-        ms = {name: rows[name].timing.median_ms for name in rows}
-        best = min(ms[name] for name in ours if name in ms)
-        errors = [row.error for row in rows.values() if row.error is not None]
-        cells = [f"{ms[name]:.2f}" if name in ms else "-" for name in names]
-        cells += [
-            f"{ms['torchvision'] / best:.1f}x",
-            f"{best / ms['conv2d (dense)']:.2f}",
-            f"{shape.gemm_flops / (best * 1e-3) / 1e9:.0f}",
-            f"{max(errors):.1e}",
-        ]
-        print(f"| {layer} | " + " | ".join(cells) + " |", flush=True)
+def print_summary(layers: dict[str, ConvShape], peers: Sequence[str]) -> None:
+    """Measure ``layers`` (see :func:`tvm_deform.compare.run`) and print the per-layer summary."""
+    from . import compare
+
+    records, _ = compare.run(layers, peers)
+    print(compare.summary_table(records))
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -100,7 +80,7 @@ def run_bench(args: argparse.Namespace) -> int:
         f"CPU {build.host_cpu()}; median of >= 10 runs; random offsets N(0, 2^2), mask U[0, 1)"
     )
     peers = [] if args.no_peers else available_peers()
-    print_table({name: suite[name] for name in names}, peers)
+    print_summary({name: suite[name] for name in names}, peers)
     return 0
 
 
@@ -143,12 +123,15 @@ def run_compare(args: argparse.Namespace) -> int:
     records, complete = compare.run({name: suite[name] for name in names}, peers, args.other_logs)
     out = Path(args.out)
     table = compare.markdown_table(records)
+    summary = compare.summary_table(records) if records else ""
     print()
     print(table)
+    print(summary)
     compare.write_csv(records, out / "compare.csv")
     compare.write_json(records, out / "compare.json")
     (out / "compare.md").write_text(table)
-    written = ["compare.csv", "compare.json", "compare.md"]
+    (out / "compare-summary.md").write_text(summary)
+    written = ["compare.csv", "compare.json", "compare.md", "compare-summary.md"]
     if not args.no_plot and records:
         try:
             compare.plot(records, out / "compare.png")

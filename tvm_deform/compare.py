@@ -200,3 +200,56 @@ def plot(records: list[dict[str, object]], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def summary_table(records: list[dict[str, object]]) -> str:
+    """One line per workload: every implementation's median time, then, for tvm_deform's fastest
+    schedule in the row, its speed-up over torchvision, its ratio to dense conv2d and GFLOP/s, and
+    the largest relative error of any implementation against torchvision."""
+    implementations = sorted(
+        dict.fromkeys(str(r["implementation"]) for r in records), key=_column_rank
+    )
+    workloads = list(dict.fromkeys(str(r["workload"]) for r in records))
+    by = {(r["workload"], r["implementation"]): r for r in records}
+    lines = [
+        "| workload | "
+        + " | ".join(f"{name} ms" for name in implementations)
+        + " | best tvm_deform vs torchvision | x dense conv2d | GFLOP/s | max rel. error |",
+        "|---" * (len(implementations) + 5) + "|",
+    ]
+    for workload in workloads:
+        ours = [
+            by[(workload, name)]
+            for name in implementations
+            if name.startswith("tvm_deform") and (workload, name) in by
+        ]
+        best = min(ours, key=lambda r: r["median_ms"])
+        errors = [
+            by[(workload, name)]["rel_error_vs_torchvision"]
+            for name in implementations
+            if (workload, name) in by
+            and by[(workload, name)]["rel_error_vs_torchvision"] is not None
+        ]
+        cells = [
+            f"{by[(workload, name)]['median_ms']:.2f}" if (workload, name) in by else "-"
+            for name in implementations
+        ]
+        cells += [
+            f"{best['speedup_vs_torchvision']:.1f}x",
+            f"{best['ratio_to_conv2d']:.2f}",
+            f"{best['gflops']:.0f}",
+            f"{max(errors):.1e}",
+        ]
+        lines.append(f"| {workload} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _column_rank(name: str) -> tuple[int, str]:
+    """torchvision, then our schedules, then the peers, then dense conv2d last."""
+    if name == "torchvision":
+        return (0, "")
+    if name.startswith("tvm_deform"):
+        return (1, "" if name == "tvm_deform default" else name)
+    if name.startswith("conv2d"):
+        return (3, "")
+    return (2, name)
