@@ -1,8 +1,8 @@
 """CPU schedules of the deformable convolution (LLVM targets).
 
 ``DefaultCPU`` is the untuned schedule used for any shape that has no tuning record;
-``HandwrittenSpace`` is the same structure with its tile sizes left to MetaSchedule (sampled, so
-the search mutates them). The structure (design.md section 4):
+``HandwrittenSpace`` is the same structure with its tile sizes left to MetaSchedule (sampled
+choices that its search draws and scores). The structure (design.md section 4):
 
 - the parallel loop is outermost and runs over (batch, tile of output pixels);
 - under it, the sampling geometry of the tile is computed once per offset group, then the tile of

@@ -45,7 +45,7 @@ def run_cpu(
     return output
 
 
-@torch.library.custom_op("tvm_deform::deform_conv2d", mutates_args=(), device_types=None)
+@torch.library.custom_op("tvm_deform::deform_conv2d", mutates_args=())
 def _deform_conv2d(
     input: torch.Tensor,
     offset: torch.Tensor,

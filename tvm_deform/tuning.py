@@ -145,7 +145,7 @@ def tune(
                         name,
                         shape,
                         space,
-                        json.dumps(_target_dict(target)),
+                        str(target),  # a Target prints as its JSON config
                         trials,
                         str(directory),
                     ),
@@ -187,14 +187,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def _target_dict(target: Target) -> dict:
-    return (
-        {"kind": target.kind.name}
-        | {k: v for k, v in dict(target.attrs).items()}
-        | ({"host": _target_dict(target.host)} if target.host is not None else {})
-    )
 
 
 def write_pruned_logs(
