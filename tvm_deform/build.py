@@ -21,6 +21,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 # TVM's thread variables are set by tvm_deform.env, which the package's __init__ imports before
 # any module that imports TVM.
@@ -30,8 +31,18 @@ from tvm.target import Target, codegen
 from . import __version__, definition, env, logs
 from .definition import ConvShape
 from .schedules.cpu import DefaultCPU
+from .schedules.cpu_backward import DefaultCPUBackward, DefaultCPUGradInput
 
 Kernel = Callable[..., None]
+
+
+class BackwardKernels(NamedTuple):
+    """The two compiled backward kernels of one shape, run in this order."""
+
+    #: ``deform_conv2d_backward``: every gradient but the input's, and the workspaces
+    gradients: Kernel
+    #: ``deform_conv2d_grad_input``: the input's gradient, from those workspaces
+    grad_input: Kernel
 
 
 @functools.cache
@@ -85,19 +96,24 @@ def workload_key(shape: ConvShape, target: Target) -> str:
 def _source_digest() -> str:
     """Digest of the sources that decide what a kernel computes and how it is scheduled."""
     digest = hashlib.sha256()
-    for source in (definition, DefaultCPU):
+    for source in (definition, DefaultCPU, DefaultCPUBackward):
         digest.update(Path(inspect.getfile(source)).read_bytes())
     return digest.hexdigest()[:16]
 
 
-def cache_path(shape: ConvShape, target: Target, schedule: str = "default") -> Path:
-    """Where the on-disk cache keeps the kernel of ``shape`` for ``target``, compiled with
-    ``schedule`` ("default", or a tuned record's identity)."""
+def cache_path(
+    shape: ConvShape, target: Target, schedule: str = "default", op: str = "forward"
+) -> Path:
+    """Where the on-disk cache keeps the ``op`` ("forward" or "backward") kernel of ``shape``
+    for ``target``, compiled with ``schedule`` ("default", or a tuned record's identity)."""
     text = "\n".join(
         (workload_key(shape, target), schedule, tvm.__version__, __version__, _source_digest())
     )
+    if op != "forward":
+        text += f"\n{op}"
     name = hashlib.sha256(text.encode()).hexdigest()[:32]
-    return env.cache_dir() / f"deform_conv2d-{name}.so"
+    prefix = "deform_conv2d" if op == "forward" else f"deform_conv2d_{op}"
+    return env.cache_dir() / f"{prefix}-{name}.so"
 
 
 def resolve(shape: ConvShape, target: Target, tuned: bool | None = None) -> logs.TunedRecord | None:
@@ -120,6 +136,21 @@ def compile_kernel(
         if sch is None:
             raise RuntimeError(f"no schedule applies to {shape}")
     return tvm.compile(sch.mod, target=target)
+
+
+def compile_backward(shape: ConvShape, target: Target) -> tvm.runtime.Module:
+    """Compile the two backward kernels of ``shape`` for ``target`` into one module, with their
+    default schedules."""
+    functions = {}
+    for rule, func in (
+        (DefaultCPUBackward(), definition.backward(shape)),
+        (DefaultCPUGradInput(), definition.grad_input(shape)),
+    ):
+        sch = rule.apply(func, target)
+        if sch is None:
+            raise RuntimeError(f"no backward schedule applies to {shape}")
+        functions[str(func.attrs["global_symbol"])] = sch.mod["main"]
+    return tvm.compile(tvm.IRModule(functions), target=target)
 
 
 def _load_cached(path: Path) -> tvm.runtime.Module | None:
@@ -149,7 +180,7 @@ def _store_cached(module: tvm.runtime.Module, path: Path) -> None:
         warnings.warn(f"could not write kernel cache entry {path}: {error}", stacklevel=3)
 
 
-_memory: dict[tuple, Kernel] = {}
+_memory: dict[tuple, Kernel | BackwardKernels] = {}
 _lock = threading.Lock()
 
 
@@ -160,24 +191,54 @@ def get_kernel(shape: ConvShape, target: Target | None = None, tuned: bool | Non
     target = target or host_target()
     tuned = env.tuned_enabled() if tuned is None else tuned
     # The log settings are part of the key, so changing them mid-process takes effect.
-    key = (shape, str(target), tuned, env.user_logs_dir())
-    kernel = _memory.get(key)
-    if kernel is not None:
-        return kernel
+    key = ("forward", shape, str(target), tuned, env.user_logs_dir())
+
+    def load() -> Kernel:
+        record = resolve(shape, target, tuned)
+        schedule = "default" if record is None else record.identity
+        module = _cached_module(
+            cache_path(shape, target, schedule), lambda: compile_kernel(shape, target, record)
+        )
+        return module["deform_conv2d"]
+
+    return _memoised(key, load)
+
+
+def get_backward(shape: ConvShape, target: Target | None = None) -> BackwardKernels:
+    """The compiled backward kernels of ``shape`` (default schedules), cached like
+    :func:`get_kernel`'s."""
+    target = target or host_target()
+
+    def load() -> BackwardKernels:
+        module = _cached_module(
+            cache_path(shape, target, op="backward"), lambda: compile_backward(shape, target)
+        )
+        return BackwardKernels(module["deform_conv2d_backward"], module["deform_conv2d_grad_input"])
+
+    return _memoised(("backward", shape, str(target)), load)
+
+
+def _cached_module(path: Path, compile_module: Callable[[], tvm.runtime.Module]):
+    """The module at ``path`` in the disk cache, else ``compile_module()`` (stored there)."""
+    if not env.cache_enabled():
+        return compile_module()
+    module = _load_cached(path)
+    if module is None:
+        module = compile_module()
+        _store_cached(module, path)
+    return module
+
+
+def _memoised(key: tuple, load: Callable):
+    found = _memory.get(key)
+    if found is not None:
+        return found
     with _lock:
-        kernel = _memory.get(key)
-        if kernel is None:
-            record = resolve(shape, target, tuned)
-            schedule = "default" if record is None else record.identity
-            path = cache_path(shape, target, schedule) if env.cache_enabled() else None
-            module = _load_cached(path) if path is not None else None
-            if module is None:
-                module = compile_kernel(shape, target, record)
-                if path is not None:
-                    _store_cached(module, path)
-            kernel = module["deform_conv2d"]
-            _memory[key] = kernel
-    return kernel
+        found = _memory.get(key)
+        if found is None:
+            found = load()
+            _memory[key] = found
+    return found
 
 
 def clear_memory_cache() -> None:

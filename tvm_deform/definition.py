@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 from tvm import te, tirx
+from tvm.script import tirx as T
 
 #: dtypes the kernels accept; the value is the dtype the kernel accumulates in.
 ACCUMULATOR_DTYPE = {
@@ -131,74 +132,61 @@ class ConvShape:
         return shapes
 
 
-def forward_tensors(shape: ConvShape) -> list[te.Tensor]:
-    """The TE tensors of the forward op: the inputs followed by the output."""
-    dtype, acc = shape.dtype, shape.accumulator_dtype
-    n_, c_, h_, w_ = shape.batch, shape.in_channels, shape.height, shape.width
-    taps, out_w = shape.taps, shape.out_w
-    pixels = shape.out_h * out_w
-    padded = padded_pixels(pixels)
-    groups = shape.offset_groups
-    channels_per_offset_group = c_ // groups
-    weight_in = c_ // shape.weight_groups
-    out_per_group = shape.out_channels // shape.weight_groups
-    shapes = shape.buffer_shapes()
+class _Sampling:
+    """The sampling geometry of ``shape`` as TE expressions over the offset and mask tensors,
+    shared by the forward and backward definitions."""
 
-    data = te.placeholder(shapes["data"], dtype, name="data")
-    offset = te.placeholder(shapes["offset"], dtype, name="offset")
-    mask = te.placeholder(shapes["mask"], dtype, name="mask") if shape.has_mask else None
-    weight = te.placeholder(shapes["weight"], dtype, name="weight")
-    bias = te.placeholder(shapes["bias"], dtype, name="bias") if shape.has_bias else None
+    def __init__(self, shape: ConvShape, offset: te.Tensor, mask: te.Tensor | None):
+        self.shape = shape
+        self.offset = offset
+        self.mask = mask
+        self.acc = shape.accumulator_dtype
+        self.pixels = shape.out_h * shape.out_w
+        self.padded = padded_pixels(self.pixels)
 
-    def source(p):
+    def source(self, p):
         """The real pixel a (possibly padding) pixel index reads its offset and mask from."""
-        return te.min(p, pixels - 1) if padded != pixels else p
+        return te.min(p, self.pixels - 1) if self.padded != self.pixels else p
 
-    def sample_point(n, g, k, p, axis):
-        """(coordinate, clamped floor) of the sample point along ``axis`` (0: y, 1: x)."""
-        p = source(p)
+    def point(self, n, g, k, p, axis):
+        """(coordinate, clamped floor, image size) of the sample point along ``axis`` (0: y,
+        1: x)."""
+        shape, acc = self.shape, self.acc
+        p = self.source(p)
         if axis == 0:
             base = (
-                (p // out_w) * shape.stride_h
+                (p // shape.out_w) * shape.stride_h
                 - shape.pad_h
                 + (k // shape.kernel_w) * (shape.dilation_h)
             )
-            size = h_
+            size = shape.height
         else:
             base = (
-                (p % out_w) * shape.stride_w
+                (p % shape.out_w) * shape.stride_w
                 - shape.pad_w
                 + (k % shape.kernel_w) * (shape.dilation_w)
             )
-            size = w_
-        coord = base.astype(acc) + offset[n, g * 2 * taps + 2 * k + axis, p].astype(acc)
+            size = shape.width
+        coord = base.astype(acc) + self.offset[n, g * 2 * shape.taps + 2 * k + axis, p].astype(acc)
         # Clamping before the int conversion keeps huge or non-finite offsets from overflowing
         # the index; a clamped point is outside (-1, size) and gets a zero coefficient anyway.
         limited = te.min(te.max(coord, tirx.const(-1, acc)), tirx.const(size, acc))
         return coord, te.floor(limited).astype("int32"), size
 
-    def clamped_index(n, g, k, r, p, axis):
-        _, low, size = sample_point(n, g, k, p, axis)
+    def clamped_index(self, n, g, k, r, p, axis):
+        _, low, size = self.point(n, g, k, p, axis)
         # r = 0: the low neighbour, r = 1: the high one; both kept inside the image so the
         # loads never leave the buffer (an outside corner's coefficient is zero).
         neighbour = te.if_then_else(r == 0, low, low + 1)
         return te.min(te.max(neighbour, 0), size - 1)
 
-    sample_rows = te.compute(
-        (n_, groups, taps, 2, padded),
-        lambda n, g, k, r, p: clamped_index(n, g, k, r, p, 0),
-        name="sample_rows",
-    )
-    sample_cols = te.compute(
-        (n_, groups, taps, 2, padded),
-        lambda n, g, k, r, p: clamped_index(n, g, k, r, p, 1),
-        name="sample_cols",
-    )
-
-    def corner_coefficient(n, g, k, q, p):
-        y, y_low, _ = sample_point(n, g, k, p, 0)
-        x, x_low, _ = sample_point(n, g, k, p, 1)
-        one, zero = tirx.const(1, acc), tirx.const(0, acc)
+    def corner(self, n, g, k, q, p):
+        """What every coefficient of corner ``q`` (row ``q // 2``, column ``q % 2``) needs: the
+        two coordinates, the two bilinear weights, and whether the corner is in the image."""
+        acc, h_, w_ = self.acc, self.shape.height, self.shape.width
+        y, y_low, _ = self.point(n, g, k, p, 0)
+        x, x_low, _ = self.point(n, g, k, p, 1)
+        one = tirx.const(1, acc)
         frac_y = y - y_low.astype(acc)
         frac_x = x - x_low.astype(acc)
         row, col = q // 2, q % 2
@@ -206,22 +194,92 @@ def forward_tensors(shape: ConvShape) -> list[te.Tensor]:
         col_index = x_low + col
         weight_y = te.if_then_else(row == 0, one - frac_y, frac_y)
         weight_x = te.if_then_else(col == 0, one - frac_x, frac_x)
+        in_image = [row_index >= 0, row_index <= h_ - 1, col_index >= 0, col_index <= w_ - 1]
+        return y, x, weight_y, weight_x, in_image
+
+    def masked(self, value, n, g, k, p):
+        if self.mask is None:
+            return value
+        return self.mask[n, g * self.shape.taps + k, self.source(p)].astype(self.acc) * value
+
+    def corner_coefficient(self, n, g, k, q, p):
+        """The forward coefficient of corner ``q``: bilinear weight x mask, 0 outside."""
+        acc, h_, w_ = self.acc, self.shape.height, self.shape.width
+        y, x, weight_y, weight_x, in_image = self.corner(n, g, k, q, p)
         inside = tirx.all(
             y > tirx.const(-1, acc),
             y < tirx.const(h_, acc),
             x > tirx.const(-1, acc),
             x < tirx.const(w_, acc),
-            row_index >= 0,
-            row_index <= h_ - 1,
-            col_index >= 0,
-            col_index <= w_ - 1,
+            *in_image,
         )
-        value = weight_y * weight_x
-        if mask is not None:
-            value = mask[n, g * taps + k, source(p)].astype(acc) * value
-        return te.if_then_else(inside, value, zero)
+        value = self.masked(weight_y * weight_x, n, g, k, p)
+        return te.if_then_else(inside, value, tirx.const(0, acc))
 
-    sample_coef = te.compute((n_, groups, taps, 4, padded), corner_coefficient, name="sample_coef")
+    def derivative_coefficient(self, n, g, k, axis, q, p):
+        """d(sample x mask) / d(coordinate ``axis``) as a coefficient of corner ``q``.
+
+        torchvision's ``get_coordinate_weight``: it has no outer test, only the per-corner one,
+        so a point exactly at -1 still has the derivative of its right-hand side (row or column
+        0); beyond that every corner is outside and the coefficient is 0.
+        """
+        acc, h_, w_ = self.acc, self.shape.height, self.shape.width
+        y, x, weight_y, weight_x, in_image = self.corner(n, g, k, q, p)
+        one = tirx.const(1, acc)
+        inside = tirx.all(
+            y >= tirx.const(-1, acc),
+            y < tirx.const(h_, acc),
+            x >= tirx.const(-1, acc),
+            x < tirx.const(w_, acc),
+            *in_image,
+        )
+        if axis == 0:
+            value = te.if_then_else(q // 2 == 0, -one, one) * weight_x
+        else:
+            value = te.if_then_else(q % 2 == 0, -one, one) * weight_y
+        value = self.masked(value, n, g, k, p)
+        return te.if_then_else(inside, value, tirx.const(0, acc))
+
+    def unmasked_coefficient(self, n, g, k, q, p):
+        """The bilinear weight of corner ``q`` without the mask (d output / d mask)."""
+        acc, h_, w_ = self.acc, self.shape.height, self.shape.width
+        y, x, weight_y, weight_x, in_image = self.corner(n, g, k, q, p)
+        inside = tirx.all(
+            y > tirx.const(-1, acc),
+            y < tirx.const(h_, acc),
+            x > tirx.const(-1, acc),
+            x < tirx.const(w_, acc),
+            *in_image,
+        )
+        return te.if_then_else(inside, weight_y * weight_x, tirx.const(0, acc))
+
+    def geometry(self) -> tuple[te.Tensor, te.Tensor, te.Tensor]:
+        """The stages ``sample_rows``, ``sample_cols`` and ``sample_coef``."""
+        shape = self.shape
+        size = (shape.batch, shape.offset_groups, shape.taps)
+        sample_rows = te.compute(
+            (*size, 2, self.padded),
+            lambda n, g, k, r, p: self.clamped_index(n, g, k, r, p, 0),
+            name="sample_rows",
+        )
+        sample_cols = te.compute(
+            (*size, 2, self.padded),
+            lambda n, g, k, r, p: self.clamped_index(n, g, k, r, p, 1),
+            name="sample_cols",
+        )
+        sample_coef = te.compute(
+            (*size, 4, self.padded),
+            lambda n, g, k, q, p: self.corner_coefficient(n, g, k, q, p),
+            name="sample_coef",
+        )
+        return sample_rows, sample_cols, sample_coef
+
+
+def _columns(shape: ConvShape, data: te.Tensor, geometry, padded: int) -> te.Tensor:
+    """``columns[n, c, k, p]``: the sampled, masked image (the deformed im2col matrix)."""
+    sample_rows, sample_cols, sample_coef = geometry
+    acc = shape.accumulator_dtype
+    channels_per_offset_group = shape.in_channels // shape.offset_groups
 
     def column(n, c, k, p):
         g = c // channels_per_offset_group
@@ -232,12 +290,36 @@ def forward_tensors(shape: ConvShape) -> list[te.Tensor]:
             total = total + sample_coef[n, g, k, q, p] * data[n, c, row, col].astype(acc)
         return total
 
-    columns = te.compute((n_, c_, taps, padded), column, name="columns")
+    return te.compute((shape.batch, shape.in_channels, shape.taps, padded), column, name="columns")
+
+
+def _placeholders(shape: ConvShape):
+    dtype = shape.dtype
+    shapes = shape.buffer_shapes()
+    data = te.placeholder(shapes["data"], dtype, name="data")
+    offset = te.placeholder(shapes["offset"], dtype, name="offset")
+    mask = te.placeholder(shapes["mask"], dtype, name="mask") if shape.has_mask else None
+    weight = te.placeholder(shapes["weight"], dtype, name="weight")
+    bias = te.placeholder(shapes["bias"], dtype, name="bias") if shape.has_bias else None
+    return data, offset, mask, weight, bias
+
+
+def forward_tensors(shape: ConvShape) -> list[te.Tensor]:
+    """The TE tensors of the forward op: the inputs followed by the output."""
+    dtype, acc = shape.dtype, shape.accumulator_dtype
+    pixels = shape.out_h * shape.out_w
+    padded = padded_pixels(pixels)
+    weight_in = shape.in_channels // shape.weight_groups
+    out_per_group = shape.out_channels // shape.weight_groups
+
+    data, offset, mask, weight, bias = _placeholders(shape)
+    sampling = _Sampling(shape, offset, mask)
+    columns = _columns(shape, data, sampling.geometry(), padded)
 
     rc = te.reduce_axis((0, weight_in), name="rc")
-    rk = te.reduce_axis((0, taps), name="rk")
+    rk = te.reduce_axis((0, shape.taps), name="rk")
     conv = te.compute(
-        (n_, shape.out_channels, padded),
+        (shape.batch, shape.out_channels, padded),
         lambda n, o, p: te.sum(
             weight[o, rc, rk].astype(acc)
             * columns[n, (o // out_per_group) * weight_in + rc, rk, p],
@@ -252,7 +334,7 @@ def forward_tensors(shape: ConvShape) -> list[te.Tensor]:
             value = value + bias[o].astype(acc)
         return value.astype(dtype)
 
-    result = te.compute((n_, shape.out_channels, pixels), epilogue, name="output")
+    result = te.compute((shape.batch, shape.out_channels, pixels), epilogue, name="output")
 
     inputs = [t for t in (data, offset, mask, weight, bias) if t is not None]
     return [*inputs, result]
@@ -266,3 +348,229 @@ def forward(shape: ConvShape) -> tirx.PrimFunc:
     """
     func = te.create_prim_func(forward_tensors(shape))
     return func.with_attr("global_symbol", "deform_conv2d")
+
+
+def backward_buffer_shapes(shape: ConvShape) -> dict[str, tuple[int, ...]]:
+    """Shapes of the buffers the backward kernels add to :meth:`ConvShape.buffer_shapes`.
+
+    ``grad_output`` is padded to the padded pixel count (with zeros) by the caller; the
+    ``grad_columns`` and ``sample_*`` buffers are workspaces that the first backward kernel
+    writes and the second reads.
+    """
+    forward_shapes = shape.buffer_shapes()
+    padded = padded_pixels(shape.out_h * shape.out_w)
+    geometry = (shape.batch, shape.offset_groups, shape.taps)
+    shapes = {
+        "grad_output": (shape.batch, shape.out_channels, padded),
+        "grad_columns": (shape.batch, shape.in_channels, shape.taps, padded),
+        "sample_rows": (*geometry, 2, padded),
+        "sample_cols": (*geometry, 2, padded),
+        "sample_coef": (*geometry, 4, padded),
+        "grad_offset": forward_shapes["offset"],
+    }
+    if shape.has_mask:
+        shapes["grad_mask"] = forward_shapes["mask"]
+    shapes["grad_weight"] = forward_shapes["weight"]
+    if shape.has_bias:
+        shapes["grad_bias"] = forward_shapes["bias"]
+    shapes["grad_input"] = forward_shapes["data"]
+    return shapes
+
+
+def backward_tensors(shape: ConvShape) -> list[te.Tensor]:
+    """The TE tensors of the first backward kernel: inputs, then workspaces and gradients.
+
+    Every gradient except the input's is a gather or an ordered reduction, so it is a plain TE
+    compute (torchvision's ``_deform_conv2d_backward`` formulas):
+
+    - ``grad_columns[n, c, k, p] = sum_o weight[o, c, k] * grad_output[n, o, p]`` (within the
+      weight group), the gradient of the sampled columns;
+    - ``sampling_grad[n, g, k, t, p]``: per offset group, the sum over its channels of
+      ``grad_columns`` times, for ``t`` = mask, y, x, the derivative of the sample with respect
+      to the mask (the unmasked bilinear sample) and to the two coordinates (times the mask).
+      The derivatives are taken per channel from its four corner values, as torchvision does, so
+      no large sums cancel;
+    - ``grad_offset`` and ``grad_mask`` are views of it in the offset and mask layouts;
+    - ``grad_weight[o, c, k] = sum_{n, p} grad_output[n, o, p] * columns[n, c, k, p]`` with the
+      forward's columns recomputed, and ``grad_bias[o] = sum_{n, p} grad_output[n, o, p]``.
+
+    The input's gradient is a scatter (each sample adds into four input pixels), which TE cannot
+    express; :func:`grad_input_func` does it from the workspaces this kernel writes.
+    """
+    dtype, acc = shape.dtype, shape.accumulator_dtype
+    n_, c_, taps = shape.batch, shape.in_channels, shape.taps
+    pixels = shape.out_h * shape.out_w
+    padded = padded_pixels(pixels)
+    groups = shape.offset_groups
+    channels_per_offset_group = c_ // groups
+    weight_in = c_ // shape.weight_groups
+    out_per_group = shape.out_channels // shape.weight_groups
+    shapes = backward_buffer_shapes(shape)
+
+    data, offset, mask, weight, bias = _placeholders(shape)
+    grad_output = te.placeholder(shapes["grad_output"], dtype, name="grad_output")
+    sampling = _Sampling(shape, offset, mask)
+    geometry = sampling.geometry()
+    sample_rows, sample_cols, _ = geometry
+
+    ro = te.reduce_axis((0, out_per_group), name="ro")
+    grad_columns = te.compute(
+        shapes["grad_columns"],
+        lambda n, c, k, p: te.sum(
+            weight[(c // weight_in) * out_per_group + ro, c % weight_in, k].astype(acc)
+            * grad_output[n, (c // weight_in) * out_per_group + ro, p].astype(acc),
+            axis=ro,
+        ),
+        name="grad_columns",
+    )
+
+    # The derivatives taken per channel: t = 0 is the mask's (absent without a mask), 1 and 2
+    # the y and x coordinates'.
+    first_term = 0 if mask is not None else 1
+
+    def coefficient(n, g, k, t, q, p):
+        kind = t + first_term
+        return te.if_then_else(
+            kind == 0,
+            sampling.unmasked_coefficient(n, g, k, q, p),
+            te.if_then_else(
+                kind == 1,
+                sampling.derivative_coefficient(n, g, k, 0, q, p),
+                sampling.derivative_coefficient(n, g, k, 1, q, p),
+            ),
+        )
+
+    terms = 3 - first_term
+    grad_coef = te.compute((n_, groups, taps, terms, 4, padded), coefficient, name="grad_coef")
+
+    rc = te.reduce_axis((0, channels_per_offset_group), name="rc")
+
+    def sampling_term(n, g, k, t, p):
+        c = g * channels_per_offset_group + rc
+        derivative = tirx.const(0, acc)
+        for q in range(4):
+            row = sample_rows[n, g, k, q // 2, p]
+            col = sample_cols[n, g, k, q % 2, p]
+            derivative = derivative + grad_coef[n, g, k, t, q, p] * data[n, c, row, col].astype(acc)
+        return te.sum(grad_columns[n, c, k, p] * derivative, axis=rc)
+
+    sampling_grad = te.compute(
+        (n_, groups, taps, terms, padded), sampling_term, name="sampling_grad"
+    )
+    grad_offset = te.compute(
+        shapes["grad_offset"],
+        lambda n, ch, p: sampling_grad[
+            n, ch // (2 * taps), (ch % (2 * taps)) // 2, ch % 2 + 1 - first_term, p
+        ].astype(dtype),
+        name="grad_offset",
+    )
+    grad_mask = None
+    if mask is not None:
+        grad_mask = te.compute(
+            shapes["grad_mask"],
+            lambda n, ch, p: sampling_grad[n, ch // taps, ch % taps, 0, p].astype(dtype),
+            name="grad_mask",
+        )
+
+    columns = _columns(shape, data, geometry, padded)
+    wn = te.reduce_axis((0, n_), name="wn")
+    wp = te.reduce_axis((0, padded), name="wp")
+    weight_sum = te.compute(
+        shapes["grad_weight"],
+        lambda o, c, k: te.sum(
+            grad_output[wn, o, wp].astype(acc)
+            * columns[wn, (o // out_per_group) * weight_in + c, k, wp],
+            axis=[wn, wp],
+        ),
+        name="weight_sum",
+    )
+    grad_weight = te.compute(
+        shapes["grad_weight"],
+        lambda o, c, k: weight_sum[o, c, k].astype(dtype),
+        name="grad_weight",
+    )
+    grad_bias = None
+    if bias is not None:
+        bn = te.reduce_axis((0, n_), name="bn")
+        bp = te.reduce_axis((0, padded), name="bp")
+        bias_sum = te.compute(
+            shapes["grad_bias"],
+            lambda o: te.sum(grad_output[bn, o, bp].astype(acc), axis=[bn, bp]),
+            name="bias_sum",
+        )
+        grad_bias = te.compute(
+            shapes["grad_bias"], lambda o: bias_sum[o].astype(dtype), name="grad_bias"
+        )
+
+    inputs = [t for t in (data, offset, mask, weight, grad_output) if t is not None]
+    outputs = [grad_columns, *geometry, grad_offset, grad_mask, grad_weight, grad_bias]
+    return [*inputs, *(t for t in outputs if t is not None)]
+
+
+def backward(shape: ConvShape) -> tirx.PrimFunc:
+    """The first backward PrimFunc of ``shape``, unscheduled, named ``deform_conv2d_backward``.
+
+    Arguments, in order: data, offset, mask (if ``has_mask``), weight, grad_output, then the
+    workspaces grad_columns, sample_rows, sample_cols, sample_coef, then grad_offset, grad_mask
+    (if ``has_mask``), grad_weight, grad_bias (if ``has_bias``); shapes as
+    :func:`backward_buffer_shapes` gives them.
+    """
+    func = te.create_prim_func(backward_tensors(shape))
+    return func.with_attr("global_symbol", "deform_conv2d_backward")
+
+
+def grad_input(shape: ConvShape) -> tirx.PrimFunc:
+    """The second backward PrimFunc, ``deform_conv2d_grad_input``: the input's gradient.
+
+    Each (n, c) image plane is filled by one block, which adds every sample's gradient
+    (``grad_columns`` times the corner coefficient) into the four input pixels it was sampled
+    from, in a fixed order (tap, then pixel, then corner), into a plane held in the accumulator
+    dtype. Planes never share memory, so a schedule can run the blocks in parallel without
+    atomics and the result is bit-identical from run to run.
+
+    Arguments: grad_columns, sample_rows, sample_cols, sample_coef (written by
+    :func:`backward`), grad_input.
+    """
+    dtype, acc = shape.dtype, shape.accumulator_dtype
+    n_, c_, h_, w_, taps = shape.batch, shape.in_channels, shape.height, shape.width, shape.taps
+    pixels = shape.out_h * shape.out_w
+    per_group = c_ // shape.offset_groups
+    shapes = backward_buffer_shapes(shape)
+    # Plain names: the TVMScript parser treats a string inside an annotation as a variable name.
+    columns_shape, rows_shape = shapes["grad_columns"], shapes["sample_rows"]
+    coef_shape, input_shape = shapes["sample_coef"], shapes["grad_input"]
+
+    @T.prim_func(s_tir=True)
+    def func(
+        grad_columns: T.Buffer(columns_shape, acc),
+        sample_rows: T.Buffer(rows_shape, "int32"),
+        sample_cols: T.Buffer(rows_shape, "int32"),
+        sample_coef: T.Buffer(coef_shape, acc),
+        grad_input: T.Buffer(input_shape, dtype),
+    ):
+        T.func_attr({"global_symbol": "deform_conv2d_grad_input", "tirx.noalias": True})
+        for n, c in T.grid(n_, c_):
+            with T.sblock("grad_input"):
+                vn, vc = T.axis.remap("SS", [n, c])
+                T.reads(
+                    grad_columns[vn, vc, 0:taps, 0:pixels],
+                    sample_rows[vn, vc // per_group, 0:taps, 0:2, 0:pixels],
+                    sample_cols[vn, vc // per_group, 0:taps, 0:2, 0:pixels],
+                    sample_coef[vn, vc // per_group, 0:taps, 0:4, 0:pixels],
+                )
+                T.writes(grad_input[vn, vc, 0:h_, 0:w_])
+                plane = T.sblock_alloc_buffer((h_, w_), acc)
+                for y, x in T.grid(h_, w_):
+                    plane[y, x] = T.cast(0, acc)
+                for k, p in T.grid(taps, pixels):
+                    for q in T.unroll(4):
+                        row = sample_rows[vn, vc // per_group, k, q // 2, p]
+                        col = sample_cols[vn, vc // per_group, k, q % 2, p]
+                        plane[row, col] = (
+                            plane[row, col]
+                            + sample_coef[vn, vc // per_group, k, q, p] * grad_columns[vn, vc, k, p]
+                        )
+                for y, x in T.grid(h_, w_):
+                    grad_input[vn, vc, y, x] = T.cast(plane[y, x], dtype)
+
+    return func

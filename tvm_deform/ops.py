@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import build
+from . import build, definition
 from .definition import ConvShape
 from .validation import as_pair, check_arguments
 
@@ -43,6 +43,66 @@ def run_cpu(
     args.append(output.view(shape.batch, shape.out_channels, pixels))
     kernel(*args)
     return output
+
+
+_TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def run_backward_cpu(
+    shape: ConvShape,
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    offset: torch.Tensor,
+    weight: torch.Tensor,
+    mask: torch.Tensor | None,
+    kernels: build.BackwardKernels | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """The gradients ``(input, offset, mask, weight, bias)`` of ``shape``'s forward for
+    ``grad_output``; the mask's is None without a mask, the bias's None when ``shape`` has no
+    bias. ``kernels`` defaults to the ones dispatch picks for ``shape``."""
+    # The kernels write every element; only an empty batch leaves the (zero) gradients as made.
+    new = torch.zeros_like if shape.batch == 0 else torch.empty_like
+    grad_input = new(input, memory_format=torch.contiguous_format)
+    grad_offset = new(offset, memory_format=torch.contiguous_format)
+    grad_mask = new(mask, memory_format=torch.contiguous_format) if mask is not None else None
+    grad_weight = new(weight, memory_format=torch.contiguous_format)
+    grad_bias = new(weight.new_empty(shape.out_channels)) if shape.has_bias else None
+    if shape.batch == 0:
+        return grad_input, grad_offset, grad_mask, grad_weight, grad_bias
+    kernels = kernels or build.get_backward(shape)
+    build.configure_threads(torch.get_num_threads())
+    pixels = shape.out_h * shape.out_w
+    shapes = definition.backward_buffer_shapes(shape)
+    grad_output = grad_output.contiguous().view(shape.batch, shape.out_channels, pixels)
+    padded = shapes["grad_output"][-1]
+    if padded != pixels:
+        # Zero gradient on the padding pixels: they add nothing to the reductions.
+        grad_output = torch.nn.functional.pad(grad_output, (0, padded - pixels))
+    acc = _TORCH_DTYPES[shape.accumulator_dtype]
+    grad_columns = input.new_empty(shapes["grad_columns"], dtype=acc)
+    sample_rows = input.new_empty(shapes["sample_rows"], dtype=torch.int32)
+    sample_cols = input.new_empty(shapes["sample_cols"], dtype=torch.int32)
+    sample_coef = input.new_empty(shapes["sample_coef"], dtype=acc)
+    args = [input.contiguous(), offset.contiguous().view(shape.batch, -1, pixels)]
+    if mask is not None:
+        args.append(mask.contiguous().view(shape.batch, -1, pixels))
+    args += [
+        weight.contiguous().view(shape.out_channels, -1, shape.taps),
+        grad_output,
+        grad_columns,
+        sample_rows,
+        sample_cols,
+        sample_coef,
+        grad_offset.view(shape.batch, -1, pixels),
+    ]
+    if grad_mask is not None:
+        args.append(grad_mask.view(shape.batch, -1, pixels))
+    args.append(grad_weight.view(shape.out_channels, -1, shape.taps))
+    if grad_bias is not None:
+        args.append(grad_bias)
+    kernels.gradients(*args)
+    kernels.grad_input(grad_columns, sample_rows, sample_cols, sample_coef, grad_input)
+    return grad_input, grad_offset, grad_mask, grad_weight, grad_bias
 
 
 @torch.library.custom_op("tvm_deform::deform_conv2d", mutates_args=())
@@ -104,14 +164,119 @@ def _deform_conv2d_fake(
     return input.new_empty((shape.batch, shape.out_channels, shape.out_h, shape.out_w))
 
 
+@torch.library.custom_op("tvm_deform::deform_conv2d_backward", mutates_args=())
+def _deform_conv2d_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    offset: torch.Tensor,
+    weight: torch.Tensor,
+    mask: torch.Tensor | None,
+    has_bias: bool,
+    stride_h: int,
+    stride_w: int,
+    pad_h: int,
+    pad_w: int,
+    dilation_h: int,
+    dilation_w: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (input, offset, mask, weight, bias); an absent mask or bias gets an empty
+    tensor (custom ops cannot return None)."""
+    shape = _backward_shape(
+        grad_output,
+        input,
+        offset,
+        weight,
+        mask,
+        has_bias,
+        (stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w),
+    )
+    if input.device.type != "cpu":
+        raise NotImplementedError(
+            f"tvm_deform.deform_conv2d has no backward kernels for {input.device.type} tensors "
+            "yet (CPU only in this version)"
+        )
+    grads = run_backward_cpu(shape, grad_output, input, offset, weight, mask)
+    return tuple(g if g is not None else input.new_empty(0) for g in grads)
+
+
+@_deform_conv2d_backward.register_fake
+def _deform_conv2d_backward_fake(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    offset: torch.Tensor,
+    weight: torch.Tensor,
+    mask: torch.Tensor | None,
+    has_bias: bool,
+    stride_h: int,
+    stride_w: int,
+    pad_h: int,
+    pad_w: int,
+    dilation_h: int,
+    dilation_w: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    shape = _backward_shape(
+        grad_output,
+        input,
+        offset,
+        weight,
+        mask,
+        has_bias,
+        (stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w),
+    )
+    return (
+        torch.empty_like(input, memory_format=torch.contiguous_format),
+        torch.empty_like(offset, memory_format=torch.contiguous_format),
+        torch.empty_like(mask, memory_format=torch.contiguous_format)
+        if mask is not None
+        else input.new_empty(0),
+        torch.empty_like(weight, memory_format=torch.contiguous_format),
+        weight.new_empty(shape.out_channels if has_bias else 0),
+    )
+
+
+def _backward_shape(grad_output, input, offset, weight, mask, has_bias, params) -> ConvShape:
+    stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w = params
+    bias = weight.new_empty(weight.shape[0]) if has_bias else None
+    shape = check_arguments(
+        input,
+        offset,
+        weight,
+        bias,
+        mask,
+        (stride_h, stride_w),
+        (pad_h, pad_w),
+        (dilation_h, dilation_w),
+    )
+    expected = (shape.batch, shape.out_channels, shape.out_h, shape.out_w)
+    if tuple(grad_output.shape) != expected or grad_output.dtype != input.dtype:
+        raise ValueError(
+            f"grad_output must be {input.dtype} of shape {list(expected)}, got "
+            f"{grad_output.dtype} of shape {list(grad_output.shape)}"
+        )
+    return shape
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    pass
+    input, offset, weight, bias, mask, *params = inputs
+    ctx.save_for_backward(input, offset, weight, mask)
+    ctx.has_bias = bias is not None
+    ctx.params = params
 
 
 def _backward(ctx, grad_output):
-    raise RuntimeError(
-        "tvm_deform.deform_conv2d has no backward kernels yet: gradients are not computed. "
-        "Use torchvision.ops.deform_conv2d to train, or call this op under torch.no_grad()."
+    input, offset, weight, mask = ctx.saved_tensors
+    grad_input, grad_offset, grad_mask, grad_weight, grad_bias = (
+        torch.ops.tvm_deform.deform_conv2d_backward(
+            grad_output, input, offset, weight, mask, ctx.has_bias, *ctx.params
+        )
+    )
+    return (
+        grad_input,
+        grad_offset,
+        grad_weight,
+        grad_bias if ctx.has_bias else None,
+        grad_mask if mask is not None else None,
+        *([None] * len(ctx.params)),
     )
 
 

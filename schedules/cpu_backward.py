@@ -1,0 +1,181 @@
+"""CPU schedules of the backward kernels (LLVM targets).
+
+Two rule objects, one per backward PrimFunc of :mod:`tvm_deform.definition`:
+
+- ``DefaultCPUBackward`` for ``deform_conv2d_backward`` (every gradient but the input's). Each
+  stage runs as its own parallel loop nest:
+
+  - the geometry and derivative coefficients: parallel over (n, group, tap), vectorised along the
+    pixels;
+  - ``grad_columns``, a GEMM like the forward's: parallel over (batch, pixel tile), a register
+    block of input channels x pixels;
+  - ``sampling_grad``, the gathers: parallel over (batch, pixel tile), the channel reduction
+    accumulated in a vector register per (group, tap, term);
+  - ``weight_sum``, a GEMM that reduces over the pixels: ``rfactor`` keeps one partial sum per
+    vector lane so that the long pixel reduction is vectorised, parallel over output channels.
+    The partial sums are added in a fixed order, so the result does not depend on the threads.
+
+- ``DefaultCPUGradInput`` for ``deform_conv2d_grad_input``: the scatter, parallel over the
+  (n, c) image planes, which never share memory.
+
+No loop that reduces is ever split across threads, so every gradient is bit-identical from run to
+run and independent of the thread count.
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.target import Target
+from tvm_deform.schedules.cpu import vector_bytes
+
+
+def _extents(sch: s_tir.Schedule, loops) -> list[int]:
+    return [int(sch.get(loop).extent) for loop in loops]
+
+
+def _lanes(target: Target, dtype: str) -> int:
+    return max(1, vector_bytes(target) * 8 // int(dtype.removeprefix("float")))
+
+
+def _pixel_tile(pixels: int, lanes: int, vectors: int = 2) -> int:
+    """A tile of the pixel axis that divides it (the definition pads it to do so)."""
+    tile = min(lanes * vectors, pixels)
+    return tile if pixels % tile == 0 else pixels
+
+
+def _elementwise(sch: s_tir.Schedule, block, lanes: int) -> None:
+    """Parallel over every loop but the last, which is split and vectorised when it divides."""
+    loops = sch.get_loops(block)
+    *outer, last = loops
+    extent = _extents(sch, [last])[0]
+    if extent % lanes == 0 and extent > lanes:
+        last_outer, last_inner = sch.split(last, [None, lanes])
+        outer.append(last_outer)
+        sch.vectorize(last_inner)
+    elif extent <= 4 * lanes:
+        sch.vectorize(last)
+    if outer:
+        sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+
+
+def _vectorize_pixels(sch: s_tir.Schedule, p_inner, write_back, tile: int) -> None:
+    """Vectorise a register block's pixel loop and its write-back. A tile of one pixel is left
+    alone: its unit loop is gone from the write-back, whose last loop is then another axis."""
+    if tile > 1:
+        sch.vectorize(p_inner)
+        sch.vectorize(sch.get_loops(write_back)[-1])
+
+
+def is_backward(sch: s_tir.Schedule) -> bool:
+    """Whether ``sch`` holds :func:`tvm_deform.definition.backward`'s PrimFunc."""
+    try:
+        for name in ("grad_columns", "sampling_grad", "weight_sum", "grad_coef"):
+            sch.get_sblock(name)
+    except Exception:  # noqa: BLE001 - a missing block raises
+        return False
+    return True
+
+
+class DefaultCPUBackward:
+    """The untuned CPU schedule of ``deform_conv2d_backward`` (see the module docstring)."""
+
+    #: input channels held in registers at once in the ``grad_columns`` GEMM
+    channel_block = 8
+    #: vector registers the ``weight_sum`` register block may use (taps x output channels)
+    register_vectors = 24
+
+    def apply(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
+        sch = s_tir.Schedule(func)
+        if not is_backward(sch):
+            return None
+        acc = str(sch.get(sch.get_sblock("grad_columns")).writes[0].source.dtype)
+        lanes = _lanes(target, acc)
+        self._grad_columns(sch, lanes)
+        self._sampling_grad(sch, lanes)
+        self._weight_sum(sch, lanes)
+        for name in ("sample_rows", "sample_cols", "sample_coef", "grad_coef", "columns"):
+            _elementwise(sch, sch.get_sblock(name), lanes)
+        for name in ("grad_offset", "grad_mask", "grad_weight", "bias_sum", "grad_bias"):
+            try:
+                block = sch.get_sblock(name)
+            except Exception:  # noqa: BLE001 - grad_mask and the bias stages are optional
+                continue
+            if name == "bias_sum":
+                sch.parallel(sch.get_loops(block)[0])
+            else:
+                _elementwise(sch, block, lanes)
+        return sch
+
+    def _grad_columns(self, sch: s_tir.Schedule, lanes: int) -> None:
+        block = sch.get_sblock("grad_columns")
+        n, c, k, p, ro = sch.get_loops(block)
+        channels, pixels = _extents(sch, [c, p])
+        tile = _pixel_tile(pixels, lanes)
+        rows = max(d for d in range(1, self.channel_block + 1) if channels % d == 0)
+        acc = sch.cache_write(block, 0, "local")
+        p_outer, p_inner = sch.split(p, [None, tile])
+        c_outer, c_inner = sch.split(c, [None, rows])
+        sch.reorder(n, p_outer, c_outer, k, ro, c_inner, p_inner)
+        sch.parallel(sch.fuse(n, p_outer))
+        sch.reverse_compute_at(acc, k)
+        sch.unroll(c_inner)
+        _vectorize_pixels(sch, p_inner, acc, tile)
+        sch.decompose_reduction(block, ro)
+
+    def _sampling_grad(self, sch: s_tir.Schedule, lanes: int) -> None:
+        block = sch.get_sblock("sampling_grad")
+        n, g, k, t, p, rc = sch.get_loops(block)
+        tile = _pixel_tile(_extents(sch, [p])[0], lanes, vectors=1)
+        acc = sch.cache_write(block, 0, "local")
+        p_outer, p_inner = sch.split(p, [None, tile])
+        sch.reorder(n, p_outer, g, k, t, rc, p_inner)
+        sch.parallel(sch.fuse(n, p_outer))
+        sch.reverse_compute_at(acc, t)
+        _vectorize_pixels(sch, p_inner, acc, tile)
+        sch.decompose_reduction(block, rc)
+
+    def _weight_sum(self, sch: s_tir.Schedule, lanes: int) -> None:
+        block = sch.get_sblock("weight_sum")
+        o, c, k, wn, wp = sch.get_loops(block)
+        pixels = _extents(sch, [wp])[0]
+        if pixels % lanes or pixels <= lanes:
+            sch.parallel(o)
+            return
+        wp_outer, wp_inner = sch.split(wp, [None, lanes])
+        partial = sch.rfactor(wp_inner, 0)
+        # partial[lane, o, c, k]: a vector of partial sums per weight element. Each thread takes
+        # one input channel, whose columns (taps x pixels) stay in cache while every output
+        # channel passes over them; the register block is (a few output channels) x (every tap)
+        # x (one vector of pixels), so each loaded vector feeds several FMAs.
+        po, pc, pk, pn, pp, lane = sch.get_loops(partial)
+        outputs, taps = _extents(sch, [po, pk])
+        most = max(1, self.register_vectors // taps)
+        block_size = max(d for d in range(1, most + 1) if outputs % d == 0)
+        po_outer, po_inner = sch.split(po, [None, block_size])
+        sch.reorder(pc, po_outer, pn, pp, po_inner, pk, lane)
+        sch.parallel(pc)
+        local = sch.cache_write(partial, 0, "local")
+        # Lanes innermost in the register block, so that each lane vector is contiguous.
+        sch.transform_layout(partial, ("write", 0), lambda l, o, c, k: (o, c, k, l))
+        sch.reverse_compute_at(local, po_outer)
+        sch.unroll(po_inner)
+        sch.unroll(pk)
+        sch.vectorize(lane)
+        sch.decompose_reduction(partial, pn)
+        # The lanes are then added in order by the original block, once per weight element,
+        # right after the register block is complete.
+        sch.reverse_compute_at(block, po_outer)
+
+
+class DefaultCPUGradInput:
+    """The untuned CPU schedule of ``deform_conv2d_grad_input``: parallel over image planes."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
+        sch = s_tir.Schedule(func)
+        try:
+            block = sch.get_sblock("grad_input")
+        except Exception:  # noqa: BLE001 - not the grad_input PrimFunc
+            return None
+        n, c = sch.get_loops(block)[:2]
+        sch.parallel(sch.fuse(n, c))
+        return sch

@@ -1,0 +1,71 @@
+"""Random configurations and inputs shared by the forward and backward tests."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+
+def random_config(rng: random.Random) -> dict:
+    groups = rng.choice([1, 1, 2, 3])
+    offset_groups = rng.choice([1, 1, 2])
+    kh, kw = rng.randint(1, 4), rng.randint(1, 4)
+    stride = (rng.randint(1, 3), rng.randint(1, 3))
+    padding = (rng.randint(0, 2), rng.randint(0, 2))
+    dilation = (rng.randint(1, 3), rng.randint(1, 3))
+    c = groups * offset_groups * rng.randint(1, 3)
+    o = groups * rng.randint(1, 3)
+    h = max(dilation[0] * (kh - 1) + 1 - 2 * padding[0], 1) + rng.randint(0, 8)
+    w = max(dilation[1] * (kw - 1) + 1 - 2 * padding[1], 1) + rng.randint(0, 8)
+    return dict(
+        n=rng.randint(1, 3),
+        c=c,
+        h=h,
+        w=w,
+        o=o,
+        kh=kh,
+        kw=kw,
+        stride=stride,
+        padding=padding,
+        dilation=dilation,
+        groups=groups,
+        offset_groups=offset_groups,
+        use_mask=rng.random() < 0.7,
+        use_bias=rng.random() < 0.5,
+    )
+
+
+def make_inputs(cfg: dict, dtype: torch.dtype, offset_scale: float = 2.0, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    out_h = (cfg["h"] + 2 * cfg["padding"][0] - (cfg["dilation"][0] * (cfg["kh"] - 1) + 1)) // (
+        cfg["stride"][0]
+    ) + 1
+    out_w = (cfg["w"] + 2 * cfg["padding"][1] - (cfg["dilation"][1] * (cfg["kw"] - 1) + 1)) // (
+        cfg["stride"][1]
+    ) + 1
+    taps = cfg["kh"] * cfg["kw"]
+    og = cfg["offset_groups"]
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+    return dict(
+        input=rand(cfg["n"], cfg["c"], cfg["h"], cfg["w"]),
+        offset=rand(cfg["n"], 2 * og * taps, out_h, out_w, scale=offset_scale),
+        weight=rand(cfg["o"], cfg["c"] // cfg["groups"], cfg["kh"], cfg["kw"]),
+        bias=rand(cfg["o"]) if cfg["use_bias"] else None,
+        mask=(
+            torch.rand(cfg["n"], og * taps, out_h, out_w, generator=g, dtype=torch.float64).to(
+                dtype
+            )
+            if cfg["use_mask"]
+            else None
+        ),
+        stride=cfg["stride"],
+        padding=cfg["padding"],
+        dilation=cfg["dilation"],
+    )
+
+
+CONFIGS = [random_config(random.Random(seed)) for seed in range(16)]

@@ -1,0 +1,304 @@
+"""Gradients: against torchvision's, finite differences, determinism, autograd integration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision.ops
+from conftest import assert_close
+from inputs import CONFIGS, make_inputs
+
+from tvm_deform import DeformConv2d, deform_conv2d
+
+DIFFERENTIABLE = ("input", "offset", "weight", "bias", "mask")
+
+
+def gradients(fn, args: dict, grad_output: torch.Tensor | None = None, seed: int = 1):
+    """(output, {name: gradient}) of ``fn(**args)`` for a random (or the given) grad_output."""
+    leaves = {
+        name: args[name].detach().clone().requires_grad_()
+        for name in DIFFERENTIABLE
+        if args[name] is not None
+    }
+    output = fn(**(args | leaves))
+    if grad_output is None:
+        g = torch.Generator().manual_seed(seed)
+        grad_output = torch.randn(output.shape, generator=g, dtype=torch.float64)
+    output.backward(grad_output.to(output.dtype))
+    return output, {name: leaf.grad for name, leaf in leaves.items()}
+
+
+def assert_gradients_close(ours: dict, theirs: dict, rtol: float, label: str = "") -> None:
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert ours[name] is not None, f"no gradient for {name}"
+        assert ours[name].dtype == theirs[name].dtype or label, name
+        assert_close(ours[name], theirs[name], rtol, f"{label} grad_{name}")
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[f"cfg{i}" for i in range(len(CONFIGS))])
+def test_float32_gradients_match_torchvision(cfg):
+    args32 = make_inputs(cfg, torch.float32)
+    args64 = make_inputs(cfg, torch.float64)
+    _, ours = gradients(deform_conv2d, args32)
+    _, exact = gradients(torchvision.ops.deform_conv2d, args64)
+    _, theirs = gradients(torchvision.ops.deform_conv2d, args32)
+    assert_gradients_close(ours, theirs, 2e-5, "vs torchvision float32")
+    for name in ours:
+        assert_close(ours[name], exact[name], 5e-6, f"grad_{name} vs torchvision float64")
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[:8], ids=[f"cfg{i}" for i in range(8)])
+def test_float64_gradients_match_torchvision(cfg):
+    args = make_inputs(cfg, torch.float64)
+    _, ours = gradients(deform_conv2d, args)
+    _, theirs = gradients(torchvision.ops.deform_conv2d, args)
+    assert_gradients_close(ours, theirs, 1e-12)
+
+
+GRADCHECK_CONFIGS = [
+    dict(n=1, c=2, h=5, w=4, o=2, kh=3, kw=3, stride=(1, 1), padding=(1, 1), dilation=(1, 1)),
+    dict(n=2, c=4, h=6, w=5, o=2, kh=2, kw=3, stride=(2, 1), padding=(0, 1), dilation=(1, 2)),
+    dict(n=1, c=6, h=5, w=5, o=3, kh=3, kw=1, stride=(1, 2), padding=(2, 0), dilation=(2, 1)),
+]
+
+
+@pytest.mark.parametrize("groups, offset_groups", [(1, 1), (2, 2)], ids=["g1", "g2og2"])
+@pytest.mark.parametrize("cfg", GRADCHECK_CONFIGS, ids=["3x3", "strided", "dilated"])
+@pytest.mark.parametrize("use_mask", [True, False], ids=["mask", "nomask"])
+def test_gradcheck_float64(cfg, groups, offset_groups, use_mask):
+    cfg = cfg | dict(groups=groups, offset_groups=offset_groups, use_mask=use_mask, use_bias=True)
+    if cfg["c"] % (groups * offset_groups) or cfg["o"] % groups:
+        cfg["c"], cfg["o"] = 4, 2
+    args = make_inputs(cfg, torch.float64)
+    names = [name for name in DIFFERENTIABLE if args[name] is not None]
+    tensors = tuple(args[name].clone().requires_grad_() for name in names)
+
+    def fn(*tensors):
+        return deform_conv2d(**(args | dict(zip(names, tensors, strict=True))))
+
+    assert torch.autograd.gradcheck(fn, tensors, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def boundary_offsets(h: int, w: int, out_h: int, out_w: int, taps: int) -> torch.Tensor:
+    """Offsets that put sample points exactly on the corners of the contract: at -1, between -1
+    and 0, on 0, on H - 1, between H - 1 and H, on H, beyond, and at random positions."""
+    special_y = [-1.0, -0.5, 0.0, h - 1.0, h - 0.5, float(h), h + 0.5, -1.5, 0.25, 2.0]
+    special_x = [0.5, -1.0, w - 0.5, -0.25, float(w), 1.0, w - 1.0, -2.0, 0.75, 1.5]
+    offset = torch.zeros(1, 2 * taps, out_h, out_w, dtype=torch.float64)
+    index = 0
+    for k in range(taps):
+        i, j = divmod(k, 3)
+        for oy in range(out_h):
+            for ox in range(out_w):
+                # Sample point = oy - 1 + i + dy with padding 1 and a 3x3 kernel.
+                target_y = special_y[index % len(special_y)]
+                target_x = special_x[(index // 3) % len(special_x)]
+                offset[0, 2 * k, oy, ox] = target_y - (oy - 1 + i)
+                offset[0, 2 * k + 1, oy, ox] = target_x - (ox - 1 + j)
+                index += 1
+    return offset
+
+
+def test_boundary_points_match_torchvision():
+    h, w = 4, 5
+    cfg = dict(
+        n=1,
+        c=3,
+        h=h,
+        w=w,
+        o=2,
+        kh=3,
+        kw=3,
+        stride=(1, 1),
+        padding=(1, 1),
+        dilation=(1, 1),
+        groups=1,
+        offset_groups=1,
+        use_mask=True,
+        use_bias=True,
+    )
+    args = make_inputs(cfg, torch.float64)
+    args["offset"] = boundary_offsets(h, w, h, w, 9)
+    _, ours = gradients(deform_conv2d, args)
+    _, theirs = gradients(torchvision.ops.deform_conv2d, args)
+    assert_gradients_close(ours, theirs, 1e-12)
+    # torchvision's grad_offset has no outer test: a point exactly at y = -1 (x inside) gets
+    # the derivative of its right-hand side, which is not zero. Ours must do the same.
+    y = torch.arange(h).view(1, h, 1) - 1 + torch.arange(3).repeat_interleave(3).view(9, 1, 1)
+    at_minus_one = (args["offset"][0, 0::2] + y) == -1.0
+    j = torch.arange(3).repeat(3).view(9, 1, 1)
+    x = args["offset"][0, 1::2] + torch.arange(w).view(1, 1, w) - 1 + j
+    inside_x = (x > -1) & (x < w - 1)
+    chosen = at_minus_one & inside_x
+    assert chosen.any()
+    assert (ours["offset"][0, 0::2][chosen] != 0).any()
+
+
+def test_zero_offsets_give_conv2d_gradients():
+    cfg = CONFIGS[0] | dict(use_mask=False, use_bias=True, groups=1, offset_groups=1)
+    args = make_inputs(cfg, torch.float64)
+    args["offset"] = torch.zeros_like(args["offset"])
+    out, ours = gradients(deform_conv2d, args)
+    leaves = {name: args[name].clone().requires_grad_() for name in ("input", "weight", "bias")}
+    conv = torch.nn.functional.conv2d(
+        leaves["input"],
+        leaves["weight"],
+        leaves["bias"],
+        args["stride"],
+        args["padding"],
+        args["dilation"],
+    )
+    g = torch.Generator().manual_seed(1)
+    conv.backward(torch.randn(out.shape, generator=g, dtype=torch.float64))
+    for name, leaf in leaves.items():
+        assert_close(ours[name], leaf.grad, 1e-12, f"grad_{name}")
+
+
+@pytest.mark.parametrize(
+    "dtype, rtol", [(torch.float16, 2e-3), (torch.bfloat16, 1.5e-2)], ids=["fp16", "bf16"]
+)
+@pytest.mark.parametrize("cfg", CONFIGS[:4], ids=[f"cfg{i}" for i in range(4)])
+def test_half_precision_gradients_match_upcast_torchvision(cfg, dtype, rtol):
+    args = make_inputs(cfg, dtype)
+    upcast = {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    g = torch.Generator().manual_seed(1)
+    out_shape = deform_conv2d(**args).shape
+    grad_output = torch.randn(out_shape, generator=g, dtype=torch.float64).to(dtype)
+    _, ours = gradients(deform_conv2d, args, grad_output)
+    _, theirs = gradients(torchvision.ops.deform_conv2d, upcast, grad_output.double())
+    for name in ours:
+        assert ours[name].dtype == dtype
+        assert_close(ours[name], theirs[name], rtol, f"{dtype} grad_{name}")
+
+
+def test_gradients_are_bit_identical_across_runs_and_thread_counts():
+    cfg = dict(
+        n=2,
+        c=16,
+        h=12,
+        w=11,
+        o=8,
+        kh=3,
+        kw=3,
+        stride=(1, 1),
+        padding=(1, 1),
+        dilation=(1, 1),
+        groups=1,
+        offset_groups=2,
+        use_mask=True,
+        use_bias=True,
+    )
+    args = make_inputs(cfg, torch.float32, offset_scale=3.0)
+    _, first = gradients(deform_conv2d, args)
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for count in (threads, 1, threads):
+            torch.set_num_threads(count)
+            runs.append(gradients(deform_conv2d, args)[1])
+    finally:
+        torch.set_num_threads(threads)
+    for run in runs:
+        for name in first:
+            assert torch.equal(run[name], first[name]), name
+
+
+def test_opcheck_with_autograd():
+    args = make_inputs(CONFIGS[1] | dict(use_mask=True, use_bias=True), torch.float64)
+    for mask, bias in ((args["mask"], args["bias"]), (None, None)):
+        leaves = [
+            t.clone().requires_grad_() if t is not None else None
+            for t in (args["input"], args["offset"], args["weight"], bias, mask)
+        ]
+        torch.library.opcheck(
+            torch.ops.tvm_deform.deform_conv2d.default,
+            (*leaves, *args["stride"], *args["padding"], *args["dilation"]),
+        )
+
+
+def test_opcheck_backward_op():
+    args = make_inputs(CONFIGS[3] | dict(use_mask=True, use_bias=True), torch.float32)
+    out = deform_conv2d(**args)
+    torch.library.opcheck(
+        torch.ops.tvm_deform.deform_conv2d_backward.default,
+        (
+            torch.randn_like(out),
+            args["input"],
+            args["offset"],
+            args["weight"],
+            args["mask"],
+            True,
+            *args["stride"],
+            *args["padding"],
+            *args["dilation"],
+        ),
+    )
+
+
+def test_backward_op_checks_grad_output():
+    args = make_inputs(CONFIGS[3] | dict(use_mask=False, use_bias=False), torch.float32)
+    with pytest.raises(ValueError, match="grad_output"):
+        torch.ops.tvm_deform.deform_conv2d_backward(
+            torch.zeros(1, 1, 1, 1),
+            args["input"],
+            args["offset"],
+            args["weight"],
+            None,
+            False,
+            *args["stride"],
+            *args["padding"],
+            *args["dilation"],
+        )
+
+
+def test_torch_compile_fullgraph_backward():
+    args = make_inputs(CONFIGS[2] | dict(use_mask=True, use_bias=True), torch.float32)
+    compiled = torch.compile(deform_conv2d, fullgraph=True, backend="aot_eager")
+    out_c, compiled_grads = gradients(compiled, args)
+    out_e, eager_grads = gradients(deform_conv2d, args)
+    assert torch.equal(out_c, out_e)
+    for name in eager_grads:
+        assert torch.equal(compiled_grads[name], eager_grads[name]), name
+
+
+def test_gradients_only_for_inputs_that_require_them():
+    args = make_inputs(CONFIGS[0] | dict(use_mask=True, use_bias=True), torch.float32)
+    weight = args["weight"].clone().requires_grad_()
+    out = deform_conv2d(**(args | dict(weight=weight)))
+    out.sum().backward()
+    assert weight.grad is not None and weight.grad.shape == weight.shape
+
+
+class TinyDetector(torch.nn.Module):
+    """A conv predicting offsets and mask, then a deformable conv: a DCNv2 block."""
+
+    def __init__(self, deform: torch.nn.Module):
+        super().__init__()
+        self.offset_mask = torch.nn.Conv2d(4, 27, 3, padding=1)
+        self.deform = deform
+
+    def forward(self, x):
+        offset_mask = self.offset_mask(x)
+        offset, mask = offset_mask[:, :18], torch.sigmoid(offset_mask[:, 18:])
+        return self.deform(x, offset, mask)
+
+
+def test_training_steps_track_torchvision():
+    torch.manual_seed(0)
+    ours = TinyDetector(DeformConv2d(4, 6, 3, padding=1, bias=True))
+    theirs = TinyDetector(torchvision.ops.DeformConv2d(4, 6, 3, padding=1, bias=True))
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 4, 9, 10)
+    target = torch.randn(2, 6, 9, 10)
+    optimisers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, theirs)]
+    for _ in range(5):
+        for model, optimiser in zip((ours, theirs), optimisers, strict=True):
+            optimiser.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), target)
+            loss.backward()
+            optimiser.step()
+    for (name, a), (_, b) in zip(
+        ours.state_dict().items(), theirs.state_dict().items(), strict=True
+    ):
+        assert_close(a, b, 1e-5, name)
