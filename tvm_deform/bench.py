@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import statistics
 import time
@@ -159,3 +160,95 @@ def compare_layer(
             runs = 5 if implementation == "torchvision" else 10
             rows.append(Row(name, implementation, measure(fn, min_runs=runs), error))
     return rows
+
+
+#: the inputs a training step differentiates (all of them, as in a DCN layer being fine-tuned)
+DIFFERENTIABLE = ("input", "offset", "weight", "bias", "mask")
+
+
+def compare_training_step(name: str, shape: ConvShape) -> list[Row]:
+    """Time one forward + backward of torchvision, tvm_deform and dense conv2d on ``shape``
+    (gradients for input, offset, weight, bias and mask, the same random ``grad_output``), and
+    check each gradient against torchvision's: ``error`` is the largest norm-relative error
+    over the gradients."""
+    import torchvision.ops
+
+    from . import deform_conv2d
+
+    inputs = random_inputs(shape)
+    kwargs = conv_kwargs(shape)
+    leaves = {
+        key: inputs[key].clone().requires_grad_()
+        for key in DIFFERENTIABLE
+        if inputs[key] is not None
+    }
+    generator = torch.Generator().manual_seed(1)
+    out_shape = (shape.batch, shape.out_channels, shape.out_h, shape.out_w)
+    grad_output = torch.randn(out_shape, generator=generator).to(getattr(torch, shape.dtype))
+
+    def step(fn: Callable[..., torch.Tensor]) -> Callable[[], tuple[torch.Tensor, ...]]:
+        def run() -> tuple[torch.Tensor, ...]:
+            out = fn(**(inputs | leaves), **kwargs)
+            return torch.autograd.grad(out, tuple(leaves.values()), grad_output)
+
+        return run
+
+    dense_leaves = [leaves["input"], leaves["weight"]] + (
+        [leaves["bias"]] if "bias" in leaves else []
+    )
+
+    def dense() -> tuple[torch.Tensor, ...]:
+        out = torch.nn.functional.conv2d(
+            leaves["input"],
+            leaves["weight"],
+            leaves.get("bias"),
+            groups=shape.weight_groups,
+            **kwargs,
+        )
+        return torch.autograd.grad(out, dense_leaves, grad_output)
+
+    candidates = {
+        "torchvision": step(torchvision.ops.deform_conv2d),
+        "tvm_deform": step(deform_conv2d),
+        "conv2d (dense)": dense,
+    }
+    expected = candidates["torchvision"]()
+    rows = []
+    for implementation, fn in candidates.items():
+        error = None
+        if implementation != "conv2d (dense)":
+            error = max(relative_error(a, b) for a, b in zip(fn(), expected, strict=True))
+        runs = 3 if implementation == "torchvision" else 10
+        rows.append(Row(name, implementation, measure(fn, min_runs=runs), error))
+    return rows
+
+
+def training_table(rows: Sequence[Row]) -> str:
+    """A markdown table of :func:`compare_training_step` rows: one line per layer."""
+    lines = [
+        "| layer | torchvision fwd+bwd ms | tvm_deform fwd+bwd ms | speed-up | conv2d fwd+bwd ms "
+        "| tvm_deform / conv2d | max grad error vs torchvision |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    by_layer: dict[str, dict[str, Row]] = {}
+    for row in rows:
+        by_layer.setdefault(row.layer, {})[row.implementation] = row
+    for layer, found in by_layer.items():
+        theirs, ours = found["torchvision"], found["tvm_deform"]
+        dense = found["conv2d (dense)"]
+        lines.append(
+            f"| {layer} | {theirs.timing.median_ms:.1f} | {ours.timing.median_ms:.1f} "
+            f"| {theirs.timing.median_ms / ours.timing.median_ms:.1f}x "
+            f"| {dense.timing.median_ms:.1f} "
+            f"| {ours.timing.median_ms / dense.timing.median_ms:.1f}x | {ours.error:.1e} |"
+        )
+    return "\n".join(lines)
+
+
+def geometric_mean_speedup(rows: Sequence[Row]) -> float:
+    """Geometric mean over layers of torchvision's time over tvm_deform's."""
+    by_layer: dict[str, dict[str, float]] = {}
+    for row in rows:
+        by_layer.setdefault(row.layer, {})[row.implementation] = row.timing.median_ms
+    ratios = [t["torchvision"] / t["tvm_deform"] for t in by_layer.values()]
+    return math.prod(ratios) ** (1 / len(ratios))

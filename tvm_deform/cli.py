@@ -84,6 +84,26 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_bench_backward(args: argparse.Namespace) -> int:
+    from .bench import compare_training_step, geometric_mean_speedup, training_table
+
+    _torchvision()
+    suite = load_suite(args.suite)
+    names = args.workload or ([n for n in QUICK if n in suite] if args.quick else list(suite))
+    print(
+        f"tvm_deform {__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"CPU {build.host_cpu()}; forward + backward (gradients of input, offset, weight, bias "
+        "and mask); median of >= 10 runs (3 for torchvision); random offsets N(0, 2^2)"
+    )
+    rows = []
+    for name in names:
+        print(f"  {name} ...", flush=True)
+        rows += compare_training_step(name, suite[name])
+    print(training_table(rows))
+    print(f"geometric mean speed-up over torchvision: {geometric_mean_speedup(rows):.1f}x")
+    return 0
+
+
 def run_diagnose(args: argparse.Namespace) -> int:
     from .precision import diagnose
 
@@ -218,6 +238,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument(
         "--no-peers", action="store_true", help="leave out ONNX Runtime and OpenVINO"
     )
+    backward = sub.add_parser(
+        "bench-backward", help="time forward + backward against torchvision and dense conv2d"
+    )
+    backward.add_argument("--quick", action="store_true", help="two layers only")
+    backward.add_argument("--suite", help="a suite JSON file instead of the shipped one")
+    backward.add_argument("--workload", action="append", help="only this suite workload")
     info = sub.add_parser("info", help="target, hardware key, logs, and what each workload runs")
     info.add_argument("--suite", help="a suite JSON file instead of the shipped one")
     tune = sub.add_parser("tune", help="tune workloads with MetaSchedule (resumable)")
@@ -250,6 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers = {
         "demo": run_demo,
         "bench": run_bench,
+        "bench-backward": run_bench_backward,
         "info": run_info,
         "diagnose": run_diagnose,
         "tune": run_tune,
