@@ -24,6 +24,8 @@ run and independent of the thread count.
 
 from __future__ import annotations
 
+import dataclasses
+
 from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm_deform.schedules.cpu import vector_bytes
@@ -58,10 +60,10 @@ def _elementwise(sch: s_tir.Schedule, block, lanes: int) -> None:
         sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
 
 
-def _vectorize_pixels(sch: s_tir.Schedule, p_inner, write_back, tile: int) -> None:
+def _vectorize_pixels(sch: s_tir.Schedule, p_inner, write_back, tile) -> None:
     """Vectorise a register block's pixel loop and its write-back. A tile of one pixel is left
     alone: its unit loop is gone from the write-back, whose last loop is then another axis."""
-    if tile > 1:
+    if not isinstance(tile, int) or tile > 1:
         sch.vectorize(p_inner)
         sch.vectorize(sch.get_loops(write_back)[-1])
 
@@ -76,6 +78,21 @@ def is_backward(sch: s_tir.Schedule) -> bool:
     return True
 
 
+@dataclasses.dataclass(frozen=True)
+class BackwardChoices:
+    """The tile sizes of the backward structure; each an int, or a sampled choice (an
+    ``ExprRV`` of :meth:`s_tir.Schedule.sample_categorical`) in a design space."""
+
+    #: input channels per register block of the ``grad_columns`` GEMM
+    channel_block: object
+    #: pixels per tile of the ``grad_columns`` GEMM
+    columns_tile: object
+    #: pixels per tile of the ``sampling_grad`` gathers
+    sampling_tile: object
+    #: output channels per register block of ``weight_sum`` (each holding every tap)
+    weight_block: object
+
+
 class DefaultCPUBackward:
     """The untuned CPU schedule of ``deform_conv2d_backward`` (see the module docstring)."""
 
@@ -88,83 +105,145 @@ class DefaultCPUBackward:
         sch = s_tir.Schedule(func)
         if not is_backward(sch):
             return None
-        acc = str(sch.get(sch.get_sblock("grad_columns")).writes[0].source.dtype)
-        lanes = _lanes(target, acc)
-        self._grad_columns(sch, lanes)
-        self._sampling_grad(sch, lanes)
-        self._weight_sum(sch, lanes)
-        for name in ("sample_rows", "sample_cols", "sample_coef", "grad_coef", "columns"):
-            _elementwise(sch, sch.get_sblock(name), lanes)
-        for name in ("grad_offset", "grad_mask", "grad_weight", "bias_sum", "grad_bias"):
-            try:
-                block = sch.get_sblock(name)
-            except Exception:  # noqa: BLE001 - grad_mask and the bias stages are optional
-                continue
-            if name == "bias_sum":
-                sch.parallel(sch.get_loops(block)[0])
-            else:
-                _elementwise(sch, block, lanes)
+        lanes = backward_lanes(sch, target)
+        channels, pixels, outputs, taps = _backward_extents(sch)
+        choices = BackwardChoices(
+            channel_block=_largest_divisor(channels, self.channel_block),
+            columns_tile=_pixel_tile(pixels, lanes, vectors=2),
+            sampling_tile=_pixel_tile(pixels, lanes, vectors=1),
+            weight_block=_largest_divisor(outputs, max(1, self.register_vectors // taps)),
+        )
+        apply_backward_structure(sch, lanes, choices)
         return sch
 
-    def _grad_columns(self, sch: s_tir.Schedule, lanes: int) -> None:
-        block = sch.get_sblock("grad_columns")
-        n, c, k, p, ro = sch.get_loops(block)
-        channels, pixels = _extents(sch, [c, p])
-        tile = _pixel_tile(pixels, lanes)
-        rows = max(d for d in range(1, self.channel_block + 1) if channels % d == 0)
-        acc = sch.cache_write(block, 0, "local")
-        p_outer, p_inner = sch.split(p, [None, tile])
-        c_outer, c_inner = sch.split(c, [None, rows])
-        sch.reorder(n, p_outer, c_outer, k, ro, c_inner, p_inner)
-        sch.parallel(sch.fuse(n, p_outer))
-        sch.reverse_compute_at(acc, k)
-        sch.unroll(c_inner)
-        _vectorize_pixels(sch, p_inner, acc, tile)
-        sch.decompose_reduction(block, ro)
 
-    def _sampling_grad(self, sch: s_tir.Schedule, lanes: int) -> None:
-        block = sch.get_sblock("sampling_grad")
-        n, g, k, t, p, rc = sch.get_loops(block)
-        tile = _pixel_tile(_extents(sch, [p])[0], lanes, vectors=1)
-        acc = sch.cache_write(block, 0, "local")
-        p_outer, p_inner = sch.split(p, [None, tile])
-        sch.reorder(n, p_outer, g, k, t, rc, p_inner)
-        sch.parallel(sch.fuse(n, p_outer))
-        sch.reverse_compute_at(acc, t)
-        _vectorize_pixels(sch, p_inner, acc, tile)
-        sch.decompose_reduction(block, rc)
+class BackwardSpace:
+    """MetaSchedule design space with ``DefaultCPUBackward``'s structure and its tile sizes
+    sampled: the channel block (2 to 16), the two pixel tiles (1 to 4 vectors) and the
+    ``weight_sum`` block (1 to 8 output channels, at most 32 vector registers). Only values
+    that divide their axis and leave every loop longer than one are offered (see
+    :class:`tvm_deform.schedules.cpu.HandwrittenSpace`). Use as
+    ``ms.space_generator.ScheduleFn(BackwardSpace(target))``."""
 
-    def _weight_sum(self, sch: s_tir.Schedule, lanes: int) -> None:
-        block = sch.get_sblock("weight_sum")
-        o, c, k, wn, wp = sch.get_loops(block)
-        pixels = _extents(sch, [wp])[0]
-        if pixels % lanes or pixels <= lanes:
-            sch.parallel(o)
-            return
-        wp_outer, wp_inner = sch.split(wp, [None, lanes])
-        partial = sch.rfactor(wp_inner, 0)
-        # partial[lane, o, c, k]: a vector of partial sums per weight element. Each thread takes
-        # one input channel, whose columns (taps x pixels) stay in cache while every output
-        # channel passes over them; the register block is (a few output channels) x (every tap)
-        # x (one vector of pixels), so each loaded vector feeds several FMAs.
-        po, pc, pk, pn, pp, lane = sch.get_loops(partial)
-        outputs, taps = _extents(sch, [po, pk])
-        most = max(1, self.register_vectors // taps)
-        block_size = max(d for d in range(1, most + 1) if outputs % d == 0)
-        po_outer, po_inner = sch.split(po, [None, block_size])
-        sch.reorder(pc, po_outer, pn, pp, po_inner, pk, lane)
-        sch.parallel(pc)
-        local = sch.cache_write(partial, 0, "local")
-        # Lanes innermost in the register block, so that each lane vector is contiguous.
-        sch.transform_layout(partial, ("write", 0), lambda l, o, c, k: (o, c, k, l))
-        sch.reverse_compute_at(local, po_outer)
-        sch.unroll(po_inner)
-        sch.unroll(pk)
-        sch.vectorize(lane)
-        sch.decompose_reduction(partial, pn)
-        # The lanes are then added in order by the original block, once per weight element,
-        # right after the register block is complete.
-        sch.reverse_compute_at(block, po_outer)
+    def __init__(self, target: Target):
+        self.target = target
+
+    def __call__(self, sch: s_tir.Schedule) -> s_tir.Schedule:
+        lanes = backward_lanes(sch, self.target)
+        channels, pixels, outputs, taps = _backward_extents(sch)
+        default = DefaultCPUBackward()
+
+        def choose(candidates: list[int], fallback: int):
+            if len(candidates) <= 1:
+                return candidates[0] if candidates else fallback
+            return sch.sample_categorical(candidates, [1.0 / len(candidates)] * len(candidates))
+
+        tiles = [lanes * v for v in (1, 2, 4) if pixels % (lanes * v) == 0 and lanes * v < pixels]
+        choices = BackwardChoices(
+            channel_block=choose(
+                [b for b in (2, 4, 8, 16) if channels % b == 0 and b < channels],
+                _largest_divisor(channels, default.channel_block),
+            ),
+            columns_tile=choose(tiles, _pixel_tile(pixels, lanes, vectors=2)),
+            sampling_tile=choose(tiles[:2], _pixel_tile(pixels, lanes, vectors=1)),
+            weight_block=choose(
+                [b for b in (1, 2, 3, 4, 6, 8) if outputs % b == 0 and b * taps <= 32],
+                _largest_divisor(outputs, max(1, default.register_vectors // taps)),
+            ),
+        )
+        apply_backward_structure(sch, lanes, choices)
+        return sch
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+def _backward_extents(sch: s_tir.Schedule) -> tuple[int, int, int, int]:
+    """(input channels, padded pixels, output channels, taps) of the backward PrimFunc."""
+    _, channels, taps, pixels, _ = _extents(sch, sch.get_loops(sch.get_sblock("grad_columns")))
+    outputs = _extents(sch, sch.get_loops(sch.get_sblock("weight_sum")))[0]
+    return channels, pixels, outputs, taps
+
+
+def backward_lanes(sch: s_tir.Schedule, target: Target) -> int:
+    """Vector lanes of the accumulator dtype on ``target``."""
+    acc = str(sch.get(sch.get_sblock("grad_columns")).writes[0].source.dtype)
+    return _lanes(target, acc)
+
+
+def apply_backward_structure(sch: s_tir.Schedule, lanes: int, choices: BackwardChoices) -> None:
+    """Schedule the backward PrimFunc in ``sch`` with the structure of the module docstring."""
+    _grad_columns(sch, choices.channel_block, choices.columns_tile)
+    _sampling_grad(sch, choices.sampling_tile)
+    _weight_sum(sch, lanes, choices.weight_block)
+    for name in ("sample_rows", "sample_cols", "sample_coef", "grad_coef", "columns"):
+        _elementwise(sch, sch.get_sblock(name), lanes)
+    for name in ("grad_offset", "grad_mask", "grad_weight", "bias_sum", "grad_bias"):
+        try:
+            block = sch.get_sblock(name)
+        except Exception:  # noqa: BLE001 - grad_mask and the bias stages are optional
+            continue
+        if name == "bias_sum":
+            sch.parallel(sch.get_loops(block)[0])
+        else:
+            _elementwise(sch, block, lanes)
+
+
+def _grad_columns(sch: s_tir.Schedule, rows, tile) -> None:
+    block = sch.get_sblock("grad_columns")
+    n, c, k, p, ro = sch.get_loops(block)
+    acc = sch.cache_write(block, 0, "local")
+    p_outer, p_inner = sch.split(p, [None, tile])
+    c_outer, c_inner = sch.split(c, [None, rows])
+    sch.reorder(n, p_outer, c_outer, k, ro, c_inner, p_inner)
+    sch.parallel(sch.fuse(n, p_outer))
+    sch.reverse_compute_at(acc, k)
+    sch.unroll(c_inner)
+    _vectorize_pixels(sch, p_inner, acc, tile)
+    sch.decompose_reduction(block, ro)
+
+
+def _sampling_grad(sch: s_tir.Schedule, tile) -> None:
+    block = sch.get_sblock("sampling_grad")
+    n, g, k, t, p, rc = sch.get_loops(block)
+    acc = sch.cache_write(block, 0, "local")
+    p_outer, p_inner = sch.split(p, [None, tile])
+    sch.reorder(n, p_outer, g, k, t, rc, p_inner)
+    sch.parallel(sch.fuse(n, p_outer))
+    sch.reverse_compute_at(acc, t)
+    _vectorize_pixels(sch, p_inner, acc, tile)
+    sch.decompose_reduction(block, rc)
+
+
+def _weight_sum(sch: s_tir.Schedule, lanes: int, outputs_per_block) -> None:
+    block = sch.get_sblock("weight_sum")
+    o, c, k, wn, wp = sch.get_loops(block)
+    pixels = _extents(sch, [wp])[0]
+    if pixels % lanes or pixels <= lanes:
+        sch.parallel(o)
+        return
+    wp_outer, wp_inner = sch.split(wp, [None, lanes])
+    partial = sch.rfactor(wp_inner, 0)
+    # partial[lane, o, c, k]: a vector of partial sums per weight element. Each thread takes
+    # one input channel, whose columns (taps x pixels) stay in cache while every output
+    # channel passes over them; the register block is (a few output channels) x (every tap)
+    # x (one vector of pixels), so each loaded vector feeds several FMAs.
+    po, pc, pk, pn, pp, lane = sch.get_loops(partial)
+    po_outer, po_inner = sch.split(po, [None, outputs_per_block])
+    sch.reorder(pc, po_outer, pn, pp, po_inner, pk, lane)
+    sch.parallel(pc)
+    local = sch.cache_write(partial, 0, "local")
+    # Lanes innermost in the register block, so that each lane vector is contiguous.
+    sch.transform_layout(partial, ("write", 0), lambda l, o, c, k: (o, c, k, l))
+    sch.reverse_compute_at(local, po_outer)
+    sch.unroll(po_inner)
+    sch.unroll(pk)
+    sch.vectorize(lane)
+    sch.decompose_reduction(partial, pn)
+    # The lanes are then added in order by the original block, once per weight element,
+    # right after the register block is complete.
+    sch.reverse_compute_at(block, po_outer)
 
 
 class DefaultCPUGradInput:

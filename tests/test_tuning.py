@@ -42,6 +42,32 @@ def tuned(tmp_path_factory):
     return first[0], second[0], work, out
 
 
+@pytest.fixture(scope="module")
+def tuned_backward(tmp_path_factory):
+    """A smoke tune of the tiny workload's backward kernel (a few trials)."""
+    root = tmp_path_factory.mktemp("tune-backward")
+    work, out = root / "work", root / "logs"
+    (result,) = tune(
+        {"tiny": TINY}, 3, work, logs_dir=out, progress=lambda *_: None, ops=("backward",)
+    )
+    return result, work, out
+
+
+def check_gradients_against_torchvision(shape: ConvShape) -> None:
+    inputs = random_inputs(shape)
+    kwargs = conv_kwargs(shape)
+    names = [
+        name for name in ("input", "offset", "weight", "bias", "mask") if inputs[name] is not None
+    ]
+    grads = []
+    for fn in (deform_conv2d, torchvision.ops.deform_conv2d):
+        leaves = {name: inputs[name].clone().requires_grad_() for name in names}
+        out = fn(**(inputs | leaves), **kwargs)
+        grads.append(torch.autograd.grad(out, list(leaves.values()), torch.ones_like(out)))
+    for name, ours, theirs in zip(names, *grads, strict=True):
+        assert_close(ours, theirs, 2e-5, f"grad_{name}")
+
+
 def check_against_reference(shape: ConvShape) -> None:
     inputs = random_inputs(shape)
     args = (inputs["input"], inputs["offset"], inputs["weight"], inputs["bias"])
@@ -74,6 +100,20 @@ def test_tuned_record_is_dispatched_and_correct(tuned, monkeypatch):
     check_against_reference(TINY)
 
 
+def test_backward_smoke_tune_is_dispatched_and_correct(tuned_backward, monkeypatch):
+    result, work, out = tuned_backward
+    assert result.workload == "tiny:backward" and result.best_ms is not None
+    key = build.hardware_key(build.host_target())
+    manifest = json.loads((out / key / "manifest.json").read_text())
+    assert manifest["workloads"]["tiny:backward"]["handwritten"]["trials"] == result.trials
+    assert count_records(out / key / "handwritten", TINY, "backward") >= 1
+    assert count_records(out / key / "handwritten", TINY) == 0  # the forward was not tuned
+    monkeypatch.setenv("TVM_DEFORM_LOGS", str(out))
+    record = build.resolve(TINY, build.host_target(), op="backward")
+    assert record is not None and record.space == "handwritten"
+    check_gradients_against_torchvision(TINY)
+
+
 def test_corrupt_log_directory_falls_back_with_a_warning(tmp_path, monkeypatch):
     space = tmp_path / build.hardware_key(build.host_target()) / "handwritten"
     space.mkdir(parents=True)
@@ -98,7 +138,11 @@ def shipped_databases():
 
 @pytest.mark.parametrize("directory", shipped_databases(), ids=lambda p: str(p.parent.name))
 def test_every_shipped_record_matches_a_suite_workload(directory):
-    suite = {name: logs.workload_module(shape) for name, shape in load_suite().items()}
+    suite = {
+        (name, op): logs.workload_module(shape, op)
+        for name, shape in load_suite().items()
+        for op in logs.OPS
+    }
     db = ms.database.JSONDatabase(work_dir=str(directory), allow_missing=False)
     records = db.get_all_tuning_records()
     assert records, f"{directory} holds no records"
@@ -118,6 +162,11 @@ def test_shipped_records_give_correct_kernels():
     }
     if not resolved:
         pytest.skip(f"no shipped tuning logs for {build.hardware_key(target)}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for shape in load_suite().values():
+            if build.resolve(shape, target, op="backward") is not None:
+                check_gradients_against_torchvision(shape)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for name, shape in resolved.items():

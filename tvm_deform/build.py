@@ -116,12 +116,14 @@ def cache_path(
     return env.cache_dir() / f"{prefix}-{name}.so"
 
 
-def resolve(shape: ConvShape, target: Target, tuned: bool | None = None) -> logs.TunedRecord | None:
-    """The tuned record ``shape`` runs with on ``target``, or None for the default schedule.
-    ``tuned=None`` follows ``TVM_DEFORM_TUNED``; False always means the default schedule."""
+def resolve(
+    shape: ConvShape, target: Target, tuned: bool | None = None, op: str = "forward"
+) -> logs.TunedRecord | None:
+    """The tuned record ``shape``'s ``op`` runs with on ``target``, or None for the default
+    schedule. ``tuned=None`` follows ``TVM_DEFORM_TUNED``; False always means the default."""
     if not (env.tuned_enabled() if tuned is None else tuned):
         return None
-    return logs.find_record(shape, target, hardware_key(target))
+    return logs.find_record(shape, target, hardware_key(target), op)
 
 
 def compile_kernel(
@@ -138,18 +140,25 @@ def compile_kernel(
     return tvm.compile(sch.mod, target=target)
 
 
-def compile_backward(shape: ConvShape, target: Target) -> tvm.runtime.Module:
-    """Compile the two backward kernels of ``shape`` for ``target`` into one module, with their
-    default schedules."""
-    functions = {}
-    for rule, func in (
-        (DefaultCPUBackward(), definition.backward(shape)),
-        (DefaultCPUGradInput(), definition.grad_input(shape)),
-    ):
-        sch = rule.apply(func, target)
-        if sch is None:
-            raise RuntimeError(f"no backward schedule applies to {shape}")
-        functions[str(func.attrs["global_symbol"])] = sch.mod["main"]
+def compile_backward(
+    shape: ConvShape, target: Target, record: logs.TunedRecord | None = None
+) -> tvm.runtime.Module:
+    """Compile the two backward kernels of ``shape`` for ``target`` into one module: the
+    gradients kernel with ``record``'s tuned schedule when given, else the default one; the
+    input's scatter kernel with its default schedule."""
+    if record is not None:
+        gradients = logs.tuned_schedule(shape, record, "backward")
+    else:
+        gradients = DefaultCPUBackward().apply(definition.backward(shape), target)
+    scatter = DefaultCPUGradInput().apply(definition.grad_input(shape), target)
+    if gradients is None or scatter is None:
+        raise RuntimeError(f"no backward schedule applies to {shape}")
+    functions = {
+        "deform_conv2d_backward": gradients.mod["main"].with_attr(
+            "global_symbol", "deform_conv2d_backward"
+        ),
+        "deform_conv2d_grad_input": scatter.mod["main"],
+    }
     return tvm.compile(tvm.IRModule(functions), target=target)
 
 
@@ -204,18 +213,24 @@ def get_kernel(shape: ConvShape, target: Target | None = None, tuned: bool | Non
     return _memoised(key, load)
 
 
-def get_backward(shape: ConvShape, target: Target | None = None) -> BackwardKernels:
-    """The compiled backward kernels of ``shape`` (default schedules), cached like
-    :func:`get_kernel`'s."""
+def get_backward(
+    shape: ConvShape, target: Target | None = None, tuned: bool | None = None
+) -> BackwardKernels:
+    """The compiled backward kernels of ``shape``, with the tuned schedule the logs hold for
+    its gradients kernel if any; looked up and cached like :func:`get_kernel`'s."""
     target = target or host_target()
+    tuned = env.tuned_enabled() if tuned is None else tuned
 
     def load() -> BackwardKernels:
+        record = resolve(shape, target, tuned, "backward")
+        schedule = "default" if record is None else record.identity
         module = _cached_module(
-            cache_path(shape, target, op="backward"), lambda: compile_backward(shape, target)
+            cache_path(shape, target, schedule, op="backward"),
+            lambda: compile_backward(shape, target, record),
         )
         return BackwardKernels(module["deform_conv2d_backward"], module["deform_conv2d_grad_input"])
 
-    return _memoised(("backward", shape, str(target)), load)
+    return _memoised(("backward", shape, str(target), tuned, env.user_logs_dir()), load)
 
 
 def _cached_module(path: Path, compile_module: Callable[[], tvm.runtime.Module]):

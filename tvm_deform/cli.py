@@ -15,6 +15,7 @@ from tvm.target import Target
 
 from . import __version__, build, env
 from .definition import ConvShape
+from .logs import OPS
 from .ops import deform_conv2d
 from .peers import available_peers
 from .suite import QUICK, load_suite
@@ -188,13 +189,14 @@ def run_info(args: argparse.Namespace) -> int:
     print()
     print("suite workloads:")
     for name, shape in load_suite(args.suite).items():
-        record = build.resolve(shape, target)
-        if record is None:
-            where = "default schedule"
-        else:
-            timing = "" if record.run_ms is None else f", {record.run_ms:.3f} ms when tuned"
-            where = f"tuned: {record.hardware_key} / {record.space}{timing}"
-        print(f"  {name:<28} {where}")
+        for op in logs.OPS:
+            record = build.resolve(shape, target, op=op)
+            if record is None:
+                where = "default schedule"
+            else:
+                timing = "" if record.run_ms is None else f", {record.run_ms:.3f} ms when tuned"
+                where = f"tuned: {record.hardware_key} / {record.space}{timing}"
+            print(f"  {name:<28} {op:<9} {where}")
     return 0
 
 
@@ -210,13 +212,15 @@ def run_tune(args: argparse.Namespace) -> int:
     if args.shape:
         workloads = {"shape": ConvShape(**json.loads(args.shape))}
     spaces = SPACES if args.space == "all" else (args.space,)
+    ops = OPS if args.op == "all" else (args.op,)
     target = Target(json.loads(args.target)) if args.target else build.host_target()
     logs_dir = None if args.no_write_logs else (args.logs_dir or _repository_logs())
     print(
-        f"tuning {len(workloads)} workload(s) x {len(spaces)} space(s), {args.trials} trials "
-        f"each, for {build.hardware_key(target)}; work directory {args.work_dir}"
+        f"tuning {len(workloads)} workload(s) x {len(ops)} op(s) x {len(spaces)} space(s), "
+        f"{args.trials} trials each, for {build.hardware_key(target)}; work directory "
+        f"{args.work_dir}"
     )
-    tune(workloads, args.trials, args.work_dir, spaces, target, logs_dir)
+    tune(workloads, args.trials, args.work_dir, spaces, target, logs_dir, ops=ops)
     if logs_dir is not None:
         print(f"pruned logs written to {Path(logs_dir) / build.hardware_key(target)}")
     return 0
@@ -249,6 +253,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune = sub.add_parser("tune", help="tune workloads with MetaSchedule (resumable)")
     tune.add_argument("--trials", type=int, default=32, help="more trials per workload/space")
     tune.add_argument("--space", choices=("handwritten", "generic", "all"), default="all")
+    tune.add_argument(
+        "--op",
+        choices=("forward", "backward", "all"),
+        default="forward",
+        help="which kernel to tune (backward: the gradients kernel)",
+    )
     tune.add_argument("--suite", help="a suite JSON file instead of the shipped one")
     tune.add_argument("--workload", action="append", help="only this suite workload (repeatable)")
     tune.add_argument(

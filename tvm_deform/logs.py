@@ -28,10 +28,18 @@ from tvm.target import Target
 from . import definition, env
 from .definition import ConvShape
 
+#: the kernels that are tuned: the forward, and the backward's gather/GEMM kernel (its scatter
+#: kernel, ``grad_input``, has nothing to tune: one block per image plane)
+OPS = ("forward", "backward")
 
-def workload_module(shape: ConvShape) -> tvm.IRModule:
-    """The module MetaSchedule tunes and the lookup queries for ``shape``."""
-    return tvm.IRModule({"main": definition.forward(shape)})
+
+def workload_module(shape: ConvShape, op: str = "forward") -> tvm.IRModule:
+    """The module MetaSchedule tunes and the lookup queries for ``shape``'s ``op``."""
+    if op == "forward":
+        return tvm.IRModule({"main": definition.forward(shape)})
+    if op == "backward":
+        return tvm.IRModule({"main": definition.backward(shape)})
+    raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
 
 
 def shipped_logs_dir() -> Path:
@@ -115,12 +123,16 @@ def best_in(directory: Path, mod: tvm.IRModule) -> ms.database.TuningRecord | No
 
 
 def find_records(
-    shape: ConvShape, target: Target, hardware_key: str, roots: list[Path] | None = None
+    shape: ConvShape,
+    target: Target,
+    hardware_key: str,
+    roots: list[Path] | None = None,
+    op: str = "forward",
 ) -> list[TunedRecord]:
     """The best record of each design space at the first (log root, hardware key) of the
-    fallback chain that has any for ``shape``; empty when none has. ``roots`` replaces the
-    usual log roots (to look at one directory alone)."""
-    mod = workload_module(shape)
+    fallback chain that has any for ``shape``'s ``op``; empty when none has. ``roots``
+    replaces the usual log roots (to look at one directory alone)."""
+    mod = workload_module(shape, op)
     for root in log_roots() if roots is None else roots:
         if not root.is_dir():
             if root != shipped_logs_dir():
@@ -144,18 +156,20 @@ def find_records(
     return []
 
 
-def find_record(shape: ConvShape, target: Target, hardware_key: str) -> TunedRecord | None:
-    """The tuned record ``shape`` resolves to on ``target``: the fastest of
+def find_record(
+    shape: ConvShape, target: Target, hardware_key: str, op: str = "forward"
+) -> TunedRecord | None:
+    """The tuned record ``shape``'s ``op`` resolves to on ``target``: the fastest of
     :func:`find_records` (see the module docstring)."""
-    found = find_records(shape, target, hardware_key)
+    found = find_records(shape, target, hardware_key, op=op)
     if not found:
         return None
     return min(found, key=lambda r: float("inf") if r.run_ms is None else r.run_ms)
 
 
-def tuned_schedule(shape: ConvShape, record: TunedRecord) -> s_tir.Schedule:
-    """``shape``'s PrimFunc with ``record``'s trace applied (postprocessing included)."""
-    sch = s_tir.Schedule(workload_module(shape))
+def tuned_schedule(shape: ConvShape, record: TunedRecord, op: str = "forward") -> s_tir.Schedule:
+    """``shape``'s ``op`` PrimFunc with ``record``'s trace applied (postprocessing included)."""
+    sch = s_tir.Schedule(workload_module(shape, op))
     record.record.trace.apply_to_schedule(sch, remove_postproc=False)
     return sch
 

@@ -35,11 +35,16 @@ from tvm.target import Target
 
 from . import __version__, build
 from .definition import ConvShape
-from .logs import record_ms, workload_module
+from .logs import OPS, record_ms, workload_module
 from .schedules.cpu import HandwrittenSpace, vector_bytes
+from .schedules.cpu_backward import BackwardSpace
 
 #: design spaces: name -> how MetaSchedule generates it
 SPACES = ("handwritten", "generic")
+#: the spaces each op is tuned in: MetaSchedule's generic space is not offered for the
+#: backward kernel, whose nine stages (two GEMMs, gathers and an rfactor-ed reduction) its
+#: auto-scheduler rules do not schedule sensibly
+OP_SPACES = {"forward": SPACES, "backward": ("handwritten",)}
 #: records kept per workload and space when the logs are pruned
 KEEP_PER_WORKLOAD = 3
 
@@ -49,7 +54,11 @@ def database(directory: Path) -> ms.database.JSONDatabase:
     return ms.database.JSONDatabase(work_dir=str(directory), allow_missing=True)
 
 
-def _space_generator(space: str):
+def _space_generator(space: str, op: str = "forward", target: Target | None = None):
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
+    if space == "handwritten" and op == "backward":
+        return ms.space_generator.ScheduleFn(BackwardSpace(target or build.host_target()))
     if space == "handwritten":
         return ms.space_generator.ScheduleFn(HandwrittenSpace())
     if space == "generic":
@@ -63,6 +72,11 @@ def _builder_initializer() -> None:
     import tvm.s_tir.tensor_intrin  # noqa: F401
 
 
+def label(name: str, op: str) -> str:
+    """How a (workload, op) task is named in progress lines and the manifest."""
+    return name if op == "forward" else f"{name}:{op}"
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskResult:
     workload: str
@@ -73,23 +87,29 @@ class TaskResult:
 
 
 def _tune_task(
-    name: str, shape: ConvShape, space: str, target_json: str, trials: int, directory: str
+    name: str,
+    shape: ConvShape,
+    space: str,
+    target_json: str,
+    trials: int,
+    directory: str,
+    op: str = "forward",
 ) -> None:
-    """One (workload, space) tuning run; runs in a child process."""
+    """One (workload, op, space) tuning run; runs in a child process."""
     target = Target(json.loads(target_json))
-    mod = workload_module(shape)
+    mod = workload_module(shape, op)
     db = database(Path(directory))
     per_iter = min(16, trials)
     ms.tune_tir(
         mod,
         target,
-        work_dir=str(Path(directory) / "runs" / name),
+        work_dir=str(Path(directory) / "runs" / label(name, op)),
         max_trials_global=trials,
         num_trials_per_iter=per_iter,
         builder=ms.builder.LocalBuilder(timeout_sec=300, initializer=_builder_initializer),
         runner=ms.runner.LocalRunner(timeout_sec=120),
         database=db,
-        space=_space_generator(space),
+        space=_space_generator(space, op, target),
         # The hand-written space has few points: a small population suffices.
         strategy=ms.search_strategy.EvolutionarySearch(
             population_size=128 if space == "handwritten" else 256,
@@ -100,20 +120,22 @@ def _tune_task(
     )
 
 
-def records(directory: Path, shape: ConvShape) -> list[ms.database.TuningRecord]:
-    """Every valid record of ``shape`` in the database at ``directory``, fastest first (read
-    afresh: the files change while tuning)."""
+def records(
+    directory: Path, shape: ConvShape, op: str = "forward"
+) -> list[ms.database.TuningRecord]:
+    """Every valid record of ``shape``'s ``op`` in the database at ``directory``, fastest
+    first (read afresh: the files change while tuning)."""
     if not (directory / "database_workload.json").exists():
         return []
     db = ms.database.JSONDatabase(work_dir=str(directory), allow_missing=False)
-    mod = workload_module(shape)
+    mod = workload_module(shape, op)
     if not db.has_workload(mod):
         return []
     return list(db.get_top_k(db.commit_workload(mod), 1_000_000))
 
 
-def count_records(directory: Path, shape: ConvShape) -> int:
-    return len(records(directory, shape))
+def count_records(directory: Path, shape: ConvShape, op: str = "forward") -> int:
+    return len(records(directory, shape, op))
 
 
 def tune(
@@ -124,20 +146,27 @@ def tune(
     target: Target | None = None,
     logs_dir: str | os.PathLike | None = None,
     progress=print,
+    ops: Iterable[str] = ("forward",),
 ) -> list[TaskResult]:
-    """Tune every workload in every space for ``trials`` more trials, resuming from
-    ``work_dir``; then, if ``logs_dir`` is given, write the pruned logs there."""
+    """Tune every workload's ``ops`` kernels in every space for ``trials`` more trials,
+    resuming from ``work_dir``; then, if ``logs_dir`` is given, write the pruned logs there."""
     target = target or build.host_target()
     key = build.hardware_key(target)
     results = []
     context = multiprocessing.get_context("spawn")
+    ops = list(ops)
+    tasks = [(name, op) for name in workloads for op in ops]
+    spaces = list(spaces)
     for space in spaces:
-        _space_generator(space)  # reject an unknown space before any work
-    for name, shape in workloads.items():
-        for space in spaces:
+        for op in ops:
+            _space_generator(space, op, target)  # reject an unknown space or op before any work
+    for name, op in tasks:
+        shape = workloads[name]
+        task = label(name, op)
+        for space in (s for s in spaces if s in OP_SPACES[op]):
             directory = Path(work_dir) / key / space
-            before = count_records(directory, shape)
-            progress(f"[{name} / {space}] tuning {trials} trials ({before} already done)")
+            before = count_records(directory, shape, op)
+            progress(f"[{task} / {space}] tuning {trials} trials ({before} already done)")
             for attempt in range(2):
                 process = context.Process(
                     target=_tune_task,
@@ -148,6 +177,7 @@ def tune(
                         str(target),  # a Target prints as its JSON config
                         trials,
                         str(directory),
+                        op,
                     ),
                 )
                 process.start()
@@ -155,13 +185,13 @@ def tune(
                 if process.exitcode == 0:
                     break
                 progress(
-                    f"[{name} / {space}] tuning process exited with {process.exitcode}; "
+                    f"[{task} / {space}] tuning process exited with {process.exitcode}; "
                     + ("retrying" if attempt == 0 else "giving up on this task")
                 )
-            found = records(directory, shape)
+            found = records(directory, shape, op)
             best_ms = record_ms(found[0]) if found else None
             result = TaskResult(
-                name,
+                task,
                 space,
                 len(found),
                 best_ms,
@@ -173,9 +203,9 @@ def tune(
                 if best_ms is None
                 else (f"best {result.best_ms:.3f} ms, {result.gflops:.0f} GFLOP/s")
             )
-            progress(f"[{name} / {space}] {result.trials} trials in the database, {best}")
+            progress(f"[{task} / {space}] {result.trials} trials in the database, {best}")
     if logs_dir is not None:
-        write_pruned_logs(work_dir, logs_dir, workloads, spaces, target)
+        write_pruned_logs(work_dir, logs_dir, workloads, spaces, target, ops)
     return results
 
 
@@ -195,10 +225,12 @@ def write_pruned_logs(
     workloads: dict[str, ConvShape],
     spaces: Iterable[str],
     target: Target,
+    ops: Iterable[str] = ("forward",),
 ) -> Path:
-    """Copy the best ``KEEP_PER_WORKLOAD`` records per workload and space from ``work_dir``
-    into ``logs_dir/<hardware key>/<space>/`` and write the manifest. Records of workloads not
-    in ``workloads`` that are already in ``logs_dir`` are kept."""
+    """Copy the best ``KEEP_PER_WORKLOAD`` records per workload, op and space from
+    ``work_dir`` into ``logs_dir/<hardware key>/<space>/`` and write the manifest. Records of
+    other workloads or ops that are already in ``logs_dir`` are kept."""
+    ops = list(ops)
     key = build.hardware_key(target)
     out_root = Path(logs_dir) / key
     manifest_path = out_root / "manifest.json"
@@ -219,8 +251,8 @@ def write_pruned_logs(
         )
         out_db = database(tmp_dir)
         kept_modules = []
-        for name, shape in workloads.items():
-            mod = workload_module(shape)
+        for (name, shape), op in ((item, op) for item in workloads.items() for op in ops):
+            mod = workload_module(shape, op)
             kept_modules.append(mod)
             if not src_db.has_workload(mod):
                 continue
@@ -232,10 +264,10 @@ def write_pruned_logs(
                         record.trace, workload, record.run_secs, record.target, record.args_info
                     )
                 )
-            entry = manifest["workloads"].setdefault(name, {})
+            entry = manifest["workloads"].setdefault(label(name, op), {})
             best_ms = record_ms(top[0]) if top else None
             entry[space] = {
-                "trials": count_records(source, shape),
+                "trials": count_records(source, shape, op),
                 "best_ms": None if best_ms is None else round(best_ms, 4),
                 "shape": dataclasses.asdict(shape),
             }
