@@ -118,7 +118,7 @@ def compare_layer(
     import torchvision.ops
 
     from . import build, logs
-    from .ops import run_cpu
+    from .ops import run_forward
     from .peers import PEERS
 
     inputs = random_inputs(shape)
@@ -143,7 +143,9 @@ def compare_layer(
             module = build.compile_kernel(shape, target, record)
             kernels[f"tvm_deform tuned {record.space} (other logs)"] = module["deform_conv2d"]
     for label, kernel in kernels.items():
-        candidates[label] = functools.partial(run_cpu, shape, x, offset, weight, bias, mask, kernel)
+        candidates[label] = functools.partial(
+            run_forward, shape, x, offset, weight, bias, mask, kernel
+        )
     for peer in peers:
         run = PEERS[peer](shape, weight, bias, torch.get_num_threads())
         candidates[peer] = functools.partial(run, x, offset, mask)

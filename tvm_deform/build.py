@@ -16,6 +16,7 @@ import inspect
 import json
 import os
 import platform
+import struct
 import tempfile
 import threading
 import warnings
@@ -32,6 +33,7 @@ from . import __version__, definition, env, logs
 from .definition import ConvShape
 from .schedules.cpu import DefaultCPU
 from .schedules.cpu_backward import DefaultCPUBackward, DefaultCPUGradInput
+from .schedules.cuda import DefaultCUDA
 
 Kernel = Callable[..., None]
 
@@ -72,6 +74,23 @@ def host_target() -> Target:
     )
 
 
+#: what every CUDA target of ours declares besides its ``arch``: the limits that hold on every
+#: NVIDIA GPU since Volta (MetaSchedule and the schedule's tile choice read them)
+CUDA_LIMITS = {
+    "max_threads_per_block": 1024,
+    "max_shared_memory_per_block": 49152,
+    "thread_warp_size": 32,
+}
+
+
+def cuda_target(arch: str) -> Target:
+    """The CUDA target of an NVIDIA GPU architecture such as ``sm_90``, with this machine's
+    LLVM target as its host."""
+    if not (arch.startswith("sm_") and arch[3:].rstrip("a").isdigit()):
+        raise ValueError(f"a CUDA architecture looks like 'sm_90', got {arch!r}")
+    return Target({"kind": "cuda", "arch": arch, **CUDA_LIMITS, "host": host_target()})
+
+
 def hardware_key(target: Target) -> str:
     """Directory name of ``target``'s tuning logs, e.g. ``llvm/znver4`` or ``cuda/sm_90``."""
     attrs = target.attrs
@@ -96,7 +115,7 @@ def workload_key(shape: ConvShape, target: Target) -> str:
 def _source_digest() -> str:
     """Digest of the sources that decide what a kernel computes and how it is scheduled."""
     digest = hashlib.sha256()
-    for source in (definition, DefaultCPU, DefaultCPUBackward):
+    for source in (definition, DefaultCPU, DefaultCPUBackward, DefaultCUDA):
         digest.update(Path(inspect.getfile(source)).read_bytes())
     return digest.hexdigest()[:16]
 
@@ -134,10 +153,76 @@ def compile_kernel(
     if record is not None:
         sch = logs.tuned_schedule(shape, record)
     else:
-        sch = DefaultCPU().apply(definition.forward(shape), target)
+        rule = DefaultCUDA() if target.kind.name == "cuda" else DefaultCPU()
+        sch = rule.apply(definition.forward(shape), target)
         if sch is None:
             raise RuntimeError(f"no schedule applies to {shape}")
-    return tvm.compile(sch.mod, target=target)
+    if target.kind.name == "cuda":
+        # Registers TVM's CUDA compiler callback (NVRTC, or nvcc with TVM_CUDA_COMPILE_MODE).
+        import tvm.support.nvcc  # noqa: F401
+    with target:
+        return tvm.compile(sch.mod, target=target)
+
+
+def cuda_source(shape: ConvShape, arch: str, record: logs.TunedRecord | None = None) -> str:
+    """The CUDA C source of ``shape``'s forward kernels for ``arch`` (default schedule, or
+    ``record``'s), as TVM generates it; needs no GPU."""
+    target = cuda_target(arch)
+    if record is not None:
+        sch = logs.tuned_schedule(shape, record)
+    else:
+        sch = DefaultCUDA().apply(definition.forward(shape), target)
+    with target:
+        # Built without the CUDA runtime, the device module keeps its source (format "cuda").
+        built = tvm.compile(sch.mod, target=target)
+    sources = [m.inspect_source("cuda") for m in built.mod.imports if m.kind == "cuda"]
+    if not any(sources):
+        raise RuntimeError(f"TVM produced no CUDA source for {shape} on {arch}")
+    return "\n".join(sources)
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaBuild:
+    """Machine code built by nvcc from a generated CUDA source, and what ptxas reported."""
+
+    arch: str
+    cubin: bytes
+    #: kernel name -> ptxas's resource line ("Used 40 registers, used 1 barriers, ...")
+    kernels: dict[str, str]
+
+    @property
+    def machine_arch(self) -> int:
+        """The SM version the cubin's machine code is for, from its ELF header (90 for sm_90)."""
+        if self.cubin[:4] != b"\x7fELF":
+            raise ValueError("not an ELF cubin")
+        (flags,) = struct.unpack_from("<I", self.cubin, 48)
+        return (flags >> 8) & 0xFF
+
+
+def nvcc_build(source: str, arch: str, nvcc: str = "nvcc") -> CudaBuild:
+    """Compile ``source`` for ``arch`` with the installed nvcc into a cubin (``-O3``), keeping
+    ptxas's per-kernel report. Raises RuntimeError with nvcc's messages when it fails."""
+    import re
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as directory:
+        cu, cubin = Path(directory) / "kernels.cu", Path(directory) / "kernels.cubin"
+        cu.write_text(source)
+        result = subprocess.run(
+            [nvcc, "--cubin", f"-arch={arch}", "-O3", "-Xptxas=-v", "-o", str(cubin), str(cu)],
+            capture_output=True,
+            text=True,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"nvcc failed for {arch}:\n{result.stderr}")
+        kernels, current = {}, None
+        for line in result.stderr.splitlines():
+            entry = re.search(r"Compiling entry function '(\w+)' for '(\w+)'", line)
+            if entry:
+                current = entry.group(1)
+            elif current and "Used" in line:
+                kernels[current] = line.split(":", 1)[1].strip()
+        return CudaBuild(arch, cubin.read_bytes(), kernels)
 
 
 def compile_backward(

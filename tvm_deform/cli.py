@@ -226,6 +226,42 @@ def run_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_build(args: argparse.Namespace) -> int:
+    import shutil
+
+    workloads = _chosen_workloads(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        print("nvcc not found: writing the CUDA sources only")
+    for name, shape in workloads.items():
+        for arch in args.arch:
+            source = build.cuda_source(shape, arch)
+            path = out / f"{name}-{arch}.cu"
+            path.write_text(source)
+            print(f"{path}: {len(source.splitlines())} lines")
+            if nvcc is None:
+                continue
+            built = build.nvcc_build(source, arch, nvcc)
+            (out / f"{name}-{arch}.cubin").write_bytes(built.cubin)
+            for kernel, resources in built.kernels.items():
+                print(f"  {kernel:<28} {resources}")
+    return 0
+
+
+def _chosen_workloads(args: argparse.Namespace) -> dict[str, ConvShape]:
+    workloads = load_suite(args.suite)
+    if args.shape:
+        return {"shape": ConvShape(**json.loads(args.shape))}
+    if args.workload:
+        unknown = sorted(set(args.workload) - set(workloads))
+        if unknown:
+            raise SystemExit(f"unknown workload(s) {unknown}; the suite has {sorted(workloads)}")
+        return {name: workloads[name] for name in args.workload}
+    return workloads
+
+
 def _repository_logs() -> str:
     from .logs import shipped_logs_dir
 
@@ -279,6 +315,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     cmp.add_argument("--out", default="results", help="directory for the CSV, JSON, MD and PNG")
     cmp.add_argument("--no-peers", action="store_true", help="leave out ONNX Runtime/OpenVINO")
     cmp.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    cuda = sub.add_parser(
+        "build", help="write the generated CUDA source (and nvcc's cubin) of workloads"
+    )
+    cuda.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"], help="CUDA archs")
+    cuda.add_argument("--suite", help="a suite JSON file instead of the shipped one")
+    cuda.add_argument("--workload", action="append", help="only this suite workload")
+    cuda.add_argument("--shape", help="one shape as JSON (ConvShape fields)")
+    cuda.add_argument("--out", default="build/cuda", help="directory for the .cu and .cubin")
     sub.add_parser(
         "diagnose", help="the seed bug: the layer in float32 next to its float16 computation"
     )
@@ -291,6 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "diagnose": run_diagnose,
         "tune": run_tune,
         "compare": run_compare,
+        "build": run_build,
     }
     handler = handlers[args.command]
     return handler(args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from tvm.target import Target
 
 from . import build, definition
 from .definition import ConvShape
@@ -13,7 +14,7 @@ from .validation import as_pair, check_arguments
 __all__ = ["deform_conv2d"]
 
 
-def run_cpu(
+def run_forward(
     shape: ConvShape,
     input: torch.Tensor,
     offset: torch.Tensor,
@@ -22,12 +23,16 @@ def run_cpu(
     mask: torch.Tensor | None,
     kernel: build.Kernel | None = None,
 ) -> torch.Tensor:
-    """Run ``kernel`` (default: the one dispatch picks for ``shape``) on validated tensors."""
+    """Run ``kernel`` (default: the one dispatch picks for ``shape`` on the tensors' device)
+    on validated tensors, CPU or CUDA. A CUDA kernel runs on torch's current stream of the
+    tensors' device, without synchronising."""
     output = input.new_empty((shape.batch, shape.out_channels, shape.out_h, shape.out_w))
     if shape.batch == 0:
         return output
-    kernel = kernel or build.get_kernel(shape)
-    build.configure_threads(torch.get_num_threads())
+    cuda = input.device.type == "cuda"
+    kernel = kernel or build.get_kernel(shape, device_target(input.device))
+    if not cuda:
+        build.configure_threads(torch.get_num_threads())
     pixels = shape.out_h * shape.out_w
     # .contiguous() returns the tensor itself when it already is; the views below are free, so a
     # contiguous tensor reaches the kernel without a copy (TVM reads torch memory via DLPack).
@@ -41,8 +46,23 @@ def run_cpu(
     if bias is not None:
         args.append(bias.contiguous())
     args.append(output.view(shape.batch, shape.out_channels, pixels))
-    kernel(*args)
+    if cuda:
+        import tvm_ffi
+
+        with torch.cuda.device(input.device), tvm_ffi.use_torch_stream():
+            kernel(*args)
+    else:
+        kernel(*args)
     return output
+
+
+def device_target(device: torch.device) -> Target:
+    """The target whose kernels run on ``device``: this machine's CPU, or the CUDA target of
+    the GPU's compute capability (``sm_90`` on an H100 or H200)."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return build.cuda_target(f"sm_{major}{minor}")
+    return build.host_target()
 
 
 _TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -129,12 +149,12 @@ def _deform_conv2d(
         (pad_h, pad_w),
         (dilation_h, dilation_w),
     )
-    if input.device.type != "cpu":
+    if input.device.type not in ("cpu", "cuda"):
         raise NotImplementedError(
-            f"tvm_deform.deform_conv2d has no kernel for {input.device.type} tensors yet "
-            "(CPU only in this version)"
+            f"tvm_deform.deform_conv2d has no kernel for {input.device.type} tensors "
+            "(CPU and CUDA only)"
         )
-    return run_cpu(shape, input, offset, weight, bias, mask)
+    return run_forward(shape, input, offset, weight, bias, mask)
 
 
 @_deform_conv2d.register_fake
@@ -193,7 +213,7 @@ def _deform_conv2d_backward(
     if input.device.type != "cpu":
         raise NotImplementedError(
             f"tvm_deform.deform_conv2d has no backward kernels for {input.device.type} tensors "
-            "yet (CPU only in this version)"
+            "yet (CPU only in this version; the CUDA op is forward only)"
         )
     grads = run_backward_cpu(shape, grad_output, input, offset, weight, mask)
     return tuple(g if g is not None else input.new_empty(0) for g in grads)
@@ -327,7 +347,8 @@ def deform_conv2d(
         ValueError: a wrong rank or shape, channels that do not divide into the groups, an empty
             output, a non-positive stride or dilation, a negative padding, or tensors on
             different devices.
-        NotImplementedError: tensors on a device without kernels (CUDA, in this version).
+        NotImplementedError: tensors on a device without kernels (other than CPU and CUDA),
+            or gradients of CUDA tensors (the CUDA backward is not written yet).
     """
     stride_h, stride_w = as_pair(stride, "stride")
     pad_h, pad_w = as_pair(padding, "padding")

@@ -1,0 +1,141 @@
+"""CUDA schedules of the deformable convolution (the forward kernel).
+
+``DefaultCUDA`` is the untuned schedule (design.md section 4, on a GPU):
+
+- the sampling geometry (clamped rows and columns, corner coefficients) is computed by its own
+  small kernels, one thread per (n, group, tap, corner, pixel), written once per offset group;
+- the GEMM runs one thread block per (batch, up to 32 output channels, 64 pixels) tile; each of
+  its threads accumulates a 4 x 4 register block (output channels x pixels, contiguous, so the
+  write-back of a thread covers exactly its own outputs); a grouped layer gets a thinner tile
+  on the output channels, so that its staged columns fit in shared memory;
+- the reduction over (input channel, tap) goes in chunks of whole channels (about 32 pairs):
+  for each chunk the threads sample its slice of the columns (four loads and four FMAs per
+  value, from the geometry) straight into shared memory, next to the chunk of the weight it
+  multiplies, so the sampled image never round-trips through global memory;
+- the bias/cast epilogue is written from the registers.
+
+``emulate=True`` applies the same loop structure without the thread bindings and with the
+shared buffers in global memory, which an LLVM target can compile and run: the tests use it to
+check on a CPU-only machine that the tiling, the staged columns and the epilogue compute the
+right numbers (a GPU run is still what checks the bindings themselves).
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.target import Target
+from tvm_deform.schedules.cpu import GEOMETRY, is_deform_conv
+
+
+class DefaultCUDA:
+    """The untuned CUDA schedule of the forward PrimFunc (see the module docstring)."""
+
+    #: threads along the pixels, and the register block's pixels per thread
+    threads_p, regs_p = 16, 4
+    #: (threads, registers) along the output channels, the first whose staged columns fit
+    #: ``shared_budget``: a grouped layer stages a column slice per group in the tile, so a
+    #: depthwise layer needs a thinner tile than a dense one
+    out_tiles = ((8, 4), (8, 2), (8, 1), (4, 1), (2, 1), (1, 1))
+    #: bytes of shared memory the staged columns and weights may take per thread block
+    shared_budget = 40 * 1024
+    #: (input channel, tap) pairs per shared-memory chunk of the reduction, at most: a chunk
+    #: holds whole channels (every tap), so that its extent does not vary from chunk to chunk
+    chunk = 32
+    #: threads per block of the elementwise geometry kernels
+    geometry_threads = 256
+
+    def __init__(self, emulate: bool = False):
+        self.emulate = emulate
+
+    def apply(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
+        sch = s_tir.Schedule(func)
+        if not is_deform_conv(sch):
+            return None
+        self.threads_o, self.regs_o = self._out_tile(sch)
+        for name in GEOMETRY:
+            self._elementwise(sch, sch.get_sblock(name))
+        self._gemm(sch)
+        return sch
+
+    def shared_bytes(self, sch: s_tir.Schedule, threads_o: int, regs_o: int) -> int:
+        """Shared memory one thread block stages with this output tile (an upper bound);
+        ``sch`` holds the unscheduled forward PrimFunc."""
+        conv = sch.get(sch.get_sblock("conv"))
+        _, outputs, _, weight_in, taps = (int(v.dom.extent) for v in conv.iter_vars)
+        columns = sch.get(sch.get_sblock("columns")).writes[0].source
+        channels = int(columns.shape[1])
+        elem = columns.dtype.bits // 8
+        out_per_group = outputs // (channels // weight_in)
+        tile_o = threads_o * regs_o
+        groups = min(channels // weight_in, -(-tile_o // out_per_group) + 1)
+        per_chunk = self._channels_per_chunk(weight_in, taps)
+        staged = groups * per_chunk * taps * self.threads_p * self.regs_p
+        return (staged + tile_o * per_chunk * taps) * elem
+
+    def _channels_per_chunk(self, weight_in: int, taps: int) -> int:
+        return max(1, min(weight_in, self.chunk // taps))
+
+    def _out_tile(self, sch: s_tir.Schedule) -> tuple[int, int]:
+        for threads_o, regs_o in self.out_tiles:
+            if self.shared_bytes(sch, threads_o, regs_o) <= self.shared_budget:
+                return threads_o, regs_o
+        return self.out_tiles[-1]
+
+    def _bind(self, sch: s_tir.Schedule, loop, thread: str) -> None:
+        if not self.emulate:
+            sch.bind(loop, thread)
+
+    @property
+    def _shared(self) -> str:
+        return "global" if self.emulate else "shared"
+
+    def _elementwise(self, sch: s_tir.Schedule, block) -> None:
+        fused = sch.fuse(*sch.get_loops(block))
+        blocks, threads = sch.split(fused, [None, self.geometry_threads])
+        self._bind(sch, blocks, "blockIdx.x")
+        self._bind(sch, threads, "threadIdx.x")
+
+    def _cooperative(self, sch: s_tir.Schedule, block) -> None:
+        """Spread ``block``'s loops (a shared-memory fill) over the block's threads."""
+        fused = sch.fuse(*sch.get_loops(block)[self._depth :])
+        _, ty, tx = sch.split(fused, [None, self.threads_o, self.threads_p])
+        self._bind(sch, ty, "threadIdx.y")
+        self._bind(sch, tx, "threadIdx.x")
+
+    def _gemm(self, sch: s_tir.Schedule) -> None:
+        conv = sch.get_sblock("conv")
+        columns = sch.get_sblock("columns")
+        output = sch.get_sblock("output")
+        weight_index = next(
+            i for i, region in enumerate(sch.get(conv).reads) if region.source.name == "weight"
+        )
+        acc = sch.cache_write(conv, 0, "local")
+        n, o, p, rc, rk = sch.get_loops(conv)
+        weight_in, taps = (int(sch.get(loop).extent) for loop in (rc, rk))
+        # Each thread's register block is contiguous, so the write-back of one thread covers
+        # exactly its own outputs; its pixels are vectorised loads and stores.
+        o_outer, o_thread, o_reg = sch.split(o, [None, self.threads_o, self.regs_o])
+        p_outer, p_thread, p_reg = sch.split(p, [None, self.threads_p, self.regs_p])
+        r_outer, r_inner = sch.split(rc, [None, self._channels_per_chunk(weight_in, taps)])
+        sch.reorder(n, o_outer, p_outer, o_thread, p_thread, r_outer, r_inner, rk, o_reg, p_reg)
+        tile = sch.fuse(n, o_outer, p_outer)
+        self._bind(sch, tile, "blockIdx.x")
+        self._bind(sch, o_thread, "threadIdx.y")
+        self._bind(sch, p_thread, "threadIdx.x")
+        sch.compute_inline(acc)
+        sch.reverse_compute_at(output, p_thread)
+
+        # The chunk's weights and sampled columns, filled by all threads of the block (the
+        # scope is set first: compute_at sizes a shared buffer for the whole thread block).
+        weight = sch.cache_read(conv, weight_index, self._shared)
+        sch.set_scope(columns, 0, self._shared)
+        sch.compute_at(weight, r_outer)
+        sch.compute_at(columns, r_outer)
+        # Loops above the fill: the tile, the two thread loops and the chunk loop.
+        self._depth = 4
+        self._cooperative(sch, weight)
+        self._cooperative(sch, columns)
+
+        sch.unroll(o_reg)
+        sch.unroll(p_reg)
+        sch.decompose_reduction(conv, r_outer)
