@@ -3,6 +3,7 @@ GPU tests that run where torch sees one."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 
@@ -190,3 +191,16 @@ def test_cuda_errors_are_clear():
     out = deform_conv2d(data, args["offset"].cuda(), args["weight"].cuda())
     with pytest.raises(NotImplementedError, match="backward"):
         out.sum().backward()
+
+
+def test_gpu_session_steps_run_on_the_cpu(tmp_path):
+    """The GPU session script's checking and timing steps, run on the CPU so that a GPU call
+    does not find their bugs first."""
+    from tvm_deform import gpu_session
+
+    code = gpu_session.main(["--out", str(tmp_path), "--device", "cpu", "--checks", "2", "--quick"])
+    results = json.loads((tmp_path / "gpu_results.json").read_text())
+    assert code == 0, results
+    assert all(c["passed"] for c in results["check"]["value"])
+    table = (tmp_path / "gpu_results.md").read_text()
+    assert "demo_64x56x56" in table and "speed-up over torchvision" in table

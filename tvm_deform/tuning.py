@@ -41,10 +41,18 @@ from .schedules.cpu_backward import BackwardSpace
 
 #: design spaces: name -> how MetaSchedule generates it
 SPACES = ("handwritten", "generic")
-#: the spaces each op is tuned in: MetaSchedule's generic space is not offered for the
-#: backward kernel, whose nine stages (two GEMMs, gathers and an rfactor-ed reduction) its
-#: auto-scheduler rules do not schedule sensibly
-OP_SPACES = {"forward": SPACES, "backward": ("handwritten",)}
+
+
+def spaces_for(target: Target, op: str) -> tuple[str, ...]:
+    """The design spaces ``op`` is tuned in on ``target``'s kind. MetaSchedule's generic space
+    is not offered for the backward kernel, whose nine stages (two GEMMs, gathers and an
+    rfactor-ed reduction) its rules do not schedule sensibly; the hand-written spaces are CPU
+    ones, so a CUDA target is tuned in the generic space (and has no backward kernel yet)."""
+    if target.kind.name == "cuda":
+        return ("generic",) if op == "forward" else ()
+    return SPACES if op == "forward" else ("handwritten",)
+
+
 #: records kept per workload and space when the logs are pruned
 KEEP_PER_WORKLOAD = 3
 
@@ -163,7 +171,7 @@ def tune(
     for name, op in tasks:
         shape = workloads[name]
         task = label(name, op)
-        for space in (s for s in spaces if s in OP_SPACES[op]):
+        for space in (s for s in spaces if s in spaces_for(target, op)):
             directory = Path(work_dir) / key / space
             before = count_records(directory, shape, op)
             progress(f"[{task} / {space}] tuning {trials} trials ({before} already done)")
@@ -195,7 +203,10 @@ def tune(
                 space,
                 len(found),
                 best_ms,
-                None if best_ms is None else shape.gemm_flops / best_ms / 1e6,
+                # The backward kernel does two GEMMs of the forward's size.
+                None
+                if best_ms is None
+                else shape.gemm_flops * (2 if op == "backward" else 1) / best_ms / 1e6,
             )
             results.append(result)
             best = (
