@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 
 import pytest
@@ -88,9 +89,42 @@ def test_smoke_tune_runs_and_resumes(tuned):
     assert count_records(work / key / "handwritten", TINY) == second.trials
 
 
-def test_tuned_record_is_dispatched_and_correct(tuned, monkeypatch):
+def test_default_schedule_is_measured_and_wins_when_faster(tuned, tmp_path, monkeypatch):
     *_, out = tuned
-    monkeypatch.setenv("TVM_DEFORM_LOGS", str(out))
+    key = build.hardware_key(build.host_target())
+    assert count_records(out / key / logs.DEFAULT_SPACE, TINY) >= 1
+    manifest = json.loads((out / key / "manifest.json").read_text())
+    assert manifest["workloads"]["tiny"][logs.DEFAULT_SPACE]["best_ms"] > 0
+    # Give the default schedule a measurement faster than every tuned record: dispatch must
+    # then use the default schedule.
+    shutil.copytree(out, tmp_path / "logs")
+    default_dir = tmp_path / "logs" / key / logs.DEFAULT_SPACE
+    db = ms.database.JSONDatabase(work_dir=str(default_dir), allow_missing=False)
+    (record,) = db.get_top_k(db.commit_workload(logs.workload_module(TINY)), 1)
+    db.commit_tuning_record(
+        ms.database.TuningRecord(
+            record.trace, record.workload, [1e-9], record.target, record.args_info
+        )
+    )
+    monkeypatch.setenv("TVM_DEFORM_LOGS", str(tmp_path / "logs"))
+    spaces = {r.space for r in logs.find_records(TINY, build.host_target(), key)}
+    assert spaces == {"handwritten", logs.DEFAULT_SPACE}
+    assert build.resolve(TINY, build.host_target()) is None
+    check_against_reference(TINY)
+
+
+def without_default(out, tmp_path):
+    """A copy of the logs at ``out`` without the default schedule's measurements, so that the
+    tuned records are dispatched whatever the smoke tune's few trials found."""
+    copy = tmp_path / "logs"
+    shutil.copytree(out, copy)
+    shutil.rmtree(copy / build.hardware_key(build.host_target()) / logs.DEFAULT_SPACE)
+    return copy
+
+
+def test_tuned_record_is_dispatched_and_correct(tuned, tmp_path, monkeypatch):
+    *_, out = tuned
+    monkeypatch.setenv("TVM_DEFORM_LOGS", str(without_default(out, tmp_path)))
     record = build.resolve(TINY, build.host_target())
     assert record is not None and record.space == "handwritten"
     assert record.hardware_key == build.hardware_key(build.host_target())
@@ -100,7 +134,7 @@ def test_tuned_record_is_dispatched_and_correct(tuned, monkeypatch):
     check_against_reference(TINY)
 
 
-def test_backward_smoke_tune_is_dispatched_and_correct(tuned_backward, monkeypatch):
+def test_backward_smoke_tune_is_dispatched_and_correct(tuned_backward, tmp_path, monkeypatch):
     result, work, out = tuned_backward
     assert result.workload == "tiny:backward" and result.best_ms is not None
     key = build.hardware_key(build.host_target())
@@ -108,7 +142,8 @@ def test_backward_smoke_tune_is_dispatched_and_correct(tuned_backward, monkeypat
     assert manifest["workloads"]["tiny:backward"]["handwritten"]["trials"] == result.trials
     assert count_records(out / key / "handwritten", TINY, "backward") >= 1
     assert count_records(out / key / "handwritten", TINY) == 0  # the forward was not tuned
-    monkeypatch.setenv("TVM_DEFORM_LOGS", str(out))
+    assert count_records(out / key / logs.DEFAULT_SPACE, TINY, "backward") == 1
+    monkeypatch.setenv("TVM_DEFORM_LOGS", str(without_default(out, tmp_path)))
     record = build.resolve(TINY, build.host_target(), op="backward")
     assert record is not None and record.space == "handwritten"
     check_gradients_against_torchvision(TINY)

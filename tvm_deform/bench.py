@@ -135,11 +135,15 @@ def compare_layer(
     target = build.host_target()
     kernels = {"tvm_deform default": build.get_kernel(shape, target, tuned=False)}
     for record in logs.find_records(shape, target, build.hardware_key(target)):
+        if record.space == logs.DEFAULT_SPACE:  # the default schedule, timed above
+            continue
         module = build.compile_kernel(shape, target, record)
         kernels[f"tvm_deform tuned {record.space}"] = module["deform_conv2d"]
     if other_logs is not None:
         key = build.hardware_key(target)
         for record in logs.find_records(shape, target, key, roots=[Path(other_logs)]):
+            if record.space == logs.DEFAULT_SPACE:
+                continue
             module = build.compile_kernel(shape, target, record)
             kernels[f"tvm_deform tuned {record.space} (other logs)"] = module["deform_conv2d"]
     for label, kernel in kernels.items():

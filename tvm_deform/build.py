@@ -28,6 +28,7 @@ from typing import NamedTuple
 # TVM's thread variables are set by tvm_deform.env, which the package's __init__ imports before
 # any module that imports TVM.
 import tvm
+from tvm import s_tir
 from tvm.target import Target, codegen
 
 from . import __version__, definition, env, logs
@@ -146,6 +147,22 @@ def resolve(
     return logs.find_record(shape, target, hardware_key(target), op)
 
 
+def default_schedule(shape: ConvShape, target: Target, op: str = "forward") -> s_tir.Schedule:
+    """``shape``'s ``op`` PrimFunc ("forward", or "backward": the gradients kernel) under the
+    default schedule of ``target``'s kind."""
+    if op == "forward":
+        rule = DefaultCUDA() if target.kind.name == "cuda" else DefaultCPU()
+        func = definition.forward(shape)
+    elif op == "backward" and target.kind.name != "cuda":
+        rule, func = DefaultCPUBackward(), definition.backward(shape)
+    else:
+        raise NotImplementedError(f"no default {op} schedule for {target.kind.name}")
+    sch = rule.apply(func, target)
+    if sch is None:
+        raise RuntimeError(f"no {op} schedule applies to {shape}")
+    return sch
+
+
 def compile_kernel(
     shape: ConvShape, target: Target, record: logs.TunedRecord | None = None
 ) -> tvm.runtime.Module:
@@ -154,10 +171,7 @@ def compile_kernel(
     if record is not None:
         sch = logs.tuned_schedule(shape, record)
     else:
-        rule = DefaultCUDA() if target.kind.name == "cuda" else DefaultCPU()
-        sch = rule.apply(definition.forward(shape), target)
-        if sch is None:
-            raise RuntimeError(f"no schedule applies to {shape}")
+        sch = default_schedule(shape, target)
     if target.kind.name == "cuda":
         # Registers TVM's CUDA compiler callback (NVRTC, or nvcc with TVM_CUDA_COMPILE_MODE).
         importlib.import_module("tvm.support.nvcc")
@@ -172,7 +186,7 @@ def cuda_source(shape: ConvShape, arch: str, record: logs.TunedRecord | None = N
     if record is not None:
         sch = logs.tuned_schedule(shape, record)
     else:
-        sch = DefaultCUDA().apply(definition.forward(shape), target)
+        sch = default_schedule(shape, target)
     with target:
         # Built without the CUDA runtime, the device module keeps its source (format "cuda").
         built = tvm.compile(sch.mod, target=target)
@@ -235,9 +249,9 @@ def compile_backward(
     if record is not None:
         gradients = logs.tuned_schedule(shape, record, "backward")
     else:
-        gradients = DefaultCPUBackward().apply(definition.backward(shape), target)
+        gradients = default_schedule(shape, target, "backward")
     scatter = DefaultCPUGradInput().apply(definition.grad_input(shape), target)
-    if gradients is None or scatter is None:
+    if scatter is None:
         raise RuntimeError(f"no backward schedule applies to {shape}")
     functions = {
         "deform_conv2d_backward": gradients.mod["main"].with_attr(

@@ -287,7 +287,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     info = sub.add_parser("info", help="target, hardware key, logs, and what each workload runs")
     info.add_argument("--suite", help="a suite JSON file instead of the shipped one")
     tune = sub.add_parser("tune", help="tune workloads with MetaSchedule (resumable)")
-    tune.add_argument("--trials", type=int, default=32, help="more trials per workload/space")
+    tune.add_argument(
+        "--trials",
+        type=int,
+        default=32,
+        help="more trials per workload/space (0: only measure the default schedules)",
+    )
     tune.add_argument("--space", choices=("handwritten", "generic", "all"), default="all")
     tune.add_argument(
         "--op",

@@ -5,7 +5,8 @@ The fallback chain, first match wins:
 1. the user's log directory (``TVM_DEFORM_LOGS``), then the shipped ``tuning_logs``;
 2. in each, the exact hardware key (``llvm/znver4``), then a compatible one (another CPU of
    the same target kind with the same vector width, from its manifest);
-3. within a hardware key, the fastest record over the design spaces found there;
+3. within a hardware key, the fastest record over the design spaces found there, unless the
+   default schedule's own measurement there (``DEFAULT_SPACE``) is faster;
 4. no record: the default schedule.
 
 A missing or corrupt log directory is skipped with a warning, never an exception.
@@ -27,6 +28,10 @@ from tvm.target import Target
 
 from . import definition, env
 from .definition import ConvShape
+
+#: the database (beside the design spaces') that holds the default schedule's own measurement,
+#: taken at tune time with the same builder and runner: a tuned record is used only if it beat it
+DEFAULT_SPACE = "default"
 
 #: the kernels that are tuned: the forward, and the backward's gather/GEMM kernel (its scatter
 #: kernel, ``grad_input``, has nothing to tune: one block per image plane)
@@ -160,11 +165,13 @@ def find_record(
     shape: ConvShape, target: Target, hardware_key: str, op: str = "forward"
 ) -> TunedRecord | None:
     """The tuned record ``shape``'s ``op`` resolves to on ``target``: the fastest of
-    :func:`find_records` (see the module docstring)."""
+    :func:`find_records` (see the module docstring); None when there is none, or when the
+    fastest is the default schedule's own measurement."""
     found = find_records(shape, target, hardware_key, op=op)
     if not found:
         return None
-    return min(found, key=lambda r: float("inf") if r.run_ms is None else r.run_ms)
+    best = min(found, key=lambda r: float("inf") if r.run_ms is None else r.run_ms)
+    return None if best.space == DEFAULT_SPACE else best
 
 
 def tuned_schedule(shape: ConvShape, record: TunedRecord, op: str = "forward") -> s_tir.Schedule:

@@ -35,7 +35,7 @@ from tvm.target import Target
 
 from . import __version__, build
 from .definition import ConvShape
-from .logs import OPS, record_ms, workload_module
+from .logs import DEFAULT_SPACE, OPS, record_ms, workload_module
 from .schedules.cpu import HandwrittenSpace, vector_bytes
 from .schedules.cpu_backward import BackwardSpace
 
@@ -128,6 +128,30 @@ def _tune_task(
     )
 
 
+def _measure_default_task(shape: ConvShape, target_json: str, directory: str, op: str) -> None:
+    """Measure ``shape``'s ``op`` under its default schedule with the builder and runner the
+    tuning uses, and commit it to the database at ``directory``; runs in a child process."""
+    target = Target(json.loads(target_json))
+    sch = build.default_schedule(shape, target, op)
+    builder = ms.builder.LocalBuilder(timeout_sec=300, initializer=_builder_initializer)
+    (built,) = builder.build([ms.builder.BuilderInput(sch.mod, target)])
+    if built.error_msg:
+        raise RuntimeError(f"building the default schedule failed: {built.error_msg}")
+    args_info = ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"])
+    runner = ms.runner.LocalRunner(timeout_sec=120)
+    (future,) = runner.run(
+        [ms.runner.RunnerInput(built.artifact_path, target.kind.name, args_info)]
+    )
+    result = future.result()
+    if result.error_msg:
+        raise RuntimeError(f"running the default schedule failed: {result.error_msg}")
+    db = database(Path(directory))
+    workload = db.commit_workload(workload_module(shape, op))
+    db.commit_tuning_record(
+        ms.database.TuningRecord(sch.trace, workload, result.run_secs, target, args_info)
+    )
+
+
 def records(
     directory: Path, shape: ConvShape, op: str = "forward"
 ) -> list[ms.database.TuningRecord]:
@@ -155,9 +179,13 @@ def tune(
     logs_dir: str | os.PathLike | None = None,
     progress=print,
     ops: Iterable[str] = ("forward",),
+    measure_default: bool = True,
 ) -> list[TaskResult]:
     """Tune every workload's ``ops`` kernels in every space for ``trials`` more trials,
-    resuming from ``work_dir``; then, if ``logs_dir`` is given, write the pruned logs there."""
+    resuming from ``work_dir`` (``trials=0`` tunes nothing); with ``measure_default``, also
+    measure each kernel's default schedule the same way, into the ``default`` database, so
+    that dispatch uses a tuned record only where it beat the default; then, if ``logs_dir``
+    is given, write the pruned logs there."""
     target = target or build.host_target()
     key = build.hardware_key(target)
     results = []
@@ -171,7 +199,7 @@ def tune(
     for name, op in tasks:
         shape = workloads[name]
         task = label(name, op)
-        for space in (s for s in spaces if s in spaces_for(target, op)):
+        for space in (s for s in spaces if s in spaces_for(target, op) and trials > 0):
             directory = Path(work_dir) / key / space
             before = count_records(directory, shape, op)
             progress(f"[{task} / {space}] tuning {trials} trials ({before} already done)")
@@ -215,8 +243,20 @@ def tune(
                 else (f"best {result.best_ms:.3f} ms, {result.gflops:.0f} GFLOP/s")
             )
             progress(f"[{task} / {space}] {result.trials} trials in the database, {best}")
+        if measure_default and spaces_for(target, op):
+            directory = Path(work_dir) / key / DEFAULT_SPACE
+            process = context.Process(
+                target=_measure_default_task, args=(shape, str(target), str(directory), op)
+            )
+            process.start()
+            process.join()
+            found = records(directory, shape, op)
+            latest = "failed" if process.exitcode else "measured"
+            fastest = f", fastest {record_ms(found[0]):.3f} ms" if found else ""
+            progress(f"[{task} / {DEFAULT_SPACE}] default schedule {latest}{fastest}")
     if logs_dir is not None:
-        write_pruned_logs(work_dir, logs_dir, workloads, spaces, target, ops)
+        kept = [*spaces, DEFAULT_SPACE] if measure_default else spaces
+        write_pruned_logs(work_dir, logs_dir, workloads, kept, target, ops)
     return results
 
 
