@@ -16,5 +16,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade \
     --target /tmp/site .
-export PYTHONUNBUFFERED=1 TVM_DEFORM_CACHE_DIR=/tmp/tvm_deform_cache
+# nvcc 13.0 is on the GPU image and was seen building kernels that run there.
+export PYTHONUNBUFFERED=1 TVM_DEFORM_CACHE_DIR=/tmp/tvm_deform_cache TVM_CUDA_COMPILE_MODE=nvcc
 python3 -m tvm_deform.gpu_session --out "$out" "$@" 2>&1 | tee "$out/log.txt"

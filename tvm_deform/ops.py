@@ -1,10 +1,13 @@
-"""The torch binding: the ``tvm_deform::deform_conv2d`` custom op and the public function."""
+"""The torch binding: the ``tvm_deform::deform_conv2d`` custom op and its autograd, the
+``tvm_deform::deform_conv2d_backward`` custom op (CPU), device dispatch, and the public
+function."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
+import tvm_ffi
 from tvm.target import Target
 
 from . import build, definition
@@ -47,8 +50,6 @@ def run_forward(
         args.append(bias.contiguous())
     args.append(output.view(shape.batch, shape.out_channels, pixels))
     if cuda:
-        import tvm_ffi
-
         with torch.cuda.device(input.device), tvm_ffi.use_torch_stream():
             kernel(*args)
     else:
