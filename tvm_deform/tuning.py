@@ -128,28 +128,39 @@ def _tune_task(
     )
 
 
-def _measure_default_task(shape: ConvShape, target_json: str, directory: str, op: str) -> None:
-    """Measure ``shape``'s ``op`` under its default schedule with the builder and runner the
-    tuning uses, and commit it to the database at ``directory``; runs in a child process."""
+def _measure_defaults_task(
+    kernels: list[tuple[ConvShape, str]], target_json: str, directory: str
+) -> None:
+    """Measure each (shape, op) kernel under its default schedule with the builder and runner
+    the tuning uses (one batch, so the builder's set-up is paid once), and commit the times to
+    the database at ``directory``; runs in a child process. A kernel whose build or run fails
+    is reported and skipped."""
     target = Target(json.loads(target_json))
-    sch = build.default_schedule(shape, target, op)
+    schedules = [build.default_schedule(shape, target, op) for shape, op in kernels]
     builder = ms.builder.LocalBuilder(timeout_sec=300, initializer=_builder_initializer)
-    (built,) = builder.build([ms.builder.BuilderInput(sch.mod, target)])
-    if built.error_msg:
-        raise RuntimeError(f"building the default schedule failed: {built.error_msg}")
-    args_info = ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"])
+    built = builder.build([ms.builder.BuilderInput(sch.mod, target) for sch in schedules])
+    infos = [ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"]) for sch in schedules]
     runner = ms.runner.LocalRunner(timeout_sec=120)
-    (future,) = runner.run(
-        [ms.runner.RunnerInput(built.artifact_path, target.kind.name, args_info)]
-    )
-    result = future.result()
-    if result.error_msg:
-        raise RuntimeError(f"running the default schedule failed: {result.error_msg}")
+    inputs, measured = [], []
+    for index, result in enumerate(built):
+        if result.error_msg:
+            print(f"building the default schedule failed: {result.error_msg}", flush=True)
+            continue
+        inputs.append(ms.runner.RunnerInput(result.artifact_path, target.kind.name, infos[index]))
+        measured.append(index)
     db = database(Path(directory))
-    workload = db.commit_workload(workload_module(shape, op))
-    db.commit_tuning_record(
-        ms.database.TuningRecord(sch.trace, workload, result.run_secs, target, args_info)
-    )
+    for index, future in zip(measured, runner.run(inputs), strict=True):
+        result = future.result()
+        if result.error_msg:
+            print(f"running the default schedule failed: {result.error_msg}", flush=True)
+            continue
+        shape, op = kernels[index]
+        workload = db.commit_workload(workload_module(shape, op))
+        db.commit_tuning_record(
+            ms.database.TuningRecord(
+                schedules[index].trace, workload, result.run_secs, target, infos[index]
+            )
+        )
 
 
 def records(
@@ -243,17 +254,20 @@ def tune(
                 else (f"best {result.best_ms:.3f} ms, {result.gflops:.0f} GFLOP/s")
             )
             progress(f"[{task} / {space}] {result.trials} trials in the database, {best}")
-        if measure_default and spaces_for(target, op):
-            directory = Path(work_dir) / key / DEFAULT_SPACE
-            process = context.Process(
-                target=_measure_default_task, args=(shape, str(target), str(directory), op)
-            )
-            process.start()
-            process.join()
-            found = records(directory, shape, op)
-            latest = "failed" if process.exitcode else "measured"
-            fastest = f", fastest {record_ms(found[0]):.3f} ms" if found else ""
-            progress(f"[{task} / {DEFAULT_SPACE}] default schedule {latest}{fastest}")
+    measured = [(name, op) for name, op in tasks if spaces_for(target, op)]
+    if measure_default and measured:
+        directory = Path(work_dir) / key / DEFAULT_SPACE
+        progress(f"measuring the default schedules of {len(measured)} kernel(s)")
+        process = context.Process(
+            target=_measure_defaults_task,
+            args=([(workloads[name], op) for name, op in measured], str(target), str(directory)),
+        )
+        process.start()
+        process.join()
+        for name, op in measured:
+            found = records(directory, workloads[name], op)
+            fastest = f"{record_ms(found[0]):.3f} ms" if found else "no measurement"
+            progress(f"[{label(name, op)} / {DEFAULT_SPACE}] default schedule: {fastest}")
     if logs_dir is not None:
         kept = [*spaces, DEFAULT_SPACE] if measure_default else spaces
         write_pruned_logs(work_dir, logs_dir, workloads, kept, target, ops)
