@@ -191,11 +191,15 @@ def run_info(args: argparse.Namespace) -> int:
     for name, shape in load_suite(args.suite).items():
         for op in logs.OPS:
             record = build.resolve(shape, target, op=op)
-            if record is None:
-                where = "default schedule"
-            else:
+            if record is not None:
                 timing = "" if record.run_ms is None else f", {record.run_ms:.3f} ms when tuned"
                 where = f"tuned: {record.hardware_key} / {record.space}{timing}"
+            elif env.tuned_enabled() and (found := logs.find_records(shape, target, key, op=op)):
+                # Tuned, but the default schedule's own measurement beat every record.
+                times = ", ".join(f"{r.space} {r.run_ms:.3f} ms" for r in found if r.run_ms)
+                where = f"default schedule, measured faster than the tuned records ({times})"
+            else:
+                where = "default schedule"
             print(f"  {name:<28} {op:<9} {where}")
     return 0
 

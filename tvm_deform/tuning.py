@@ -141,12 +141,13 @@ def _measure_defaults_task(
     built = builder.build([ms.builder.BuilderInput(sch.mod, target) for sch in schedules])
     infos = [ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"]) for sch in schedules]
     runner = ms.runner.LocalRunner(timeout_sec=120)
+    device = "cpu" if target.kind.name == "llvm" else target.kind.name
     inputs, measured = [], []
     for index, result in enumerate(built):
         if result.error_msg:
             print(f"building the default schedule failed: {result.error_msg}", flush=True)
             continue
-        inputs.append(ms.runner.RunnerInput(result.artifact_path, target.kind.name, infos[index]))
+        inputs.append(ms.runner.RunnerInput(result.artifact_path, device, infos[index]))
         measured.append(index)
     db = database(Path(directory))
     for index, future in zip(measured, runner.run(inputs), strict=True):
