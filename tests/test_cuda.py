@@ -14,9 +14,10 @@ import tvm
 from conftest import assert_close
 from inputs import CONFIGS, make_inputs
 from tvm import s_tir
+from tvm.s_tir import meta_schedule as ms
 from tvm_deform.schedules.cuda import DefaultCUDA
 
-from tvm_deform import build, definition, deform_conv2d
+from tvm_deform import build, definition, deform_conv2d, logs
 from tvm_deform.cli import main
 from tvm_deform.definition import ConvShape
 from tvm_deform.ops import run_forward
@@ -204,3 +205,22 @@ def test_gpu_session_steps_run_on_the_cpu(tmp_path):
     assert all(c["passed"] for c in results["check"]["value"])
     table = (tmp_path / "gpu_results.md").read_text()
     assert "demo_64x56x56" in table and "speed-up over torchvision" in table
+
+
+@needs_nvcc
+def test_generic_cuda_design_space_builds():
+    """MetaSchedule's generic space for a CUDA target (what ``tvm-deform tune`` searches on a
+    GPU) generates schedules of our PrimFunc that TVM and nvcc build, without a GPU."""
+    target = build.cuda_target("sm_90")
+    mod = logs.workload_module(SUITE["seed"])
+    context = ms.TuneContext(
+        mod=mod, target=target, space_generator="post-order-apply", num_threads=1
+    )
+    spaces = context.generate_design_space()
+    assert spaces
+    sch = s_tir.Schedule(mod)
+    spaces[0].trace.apply_to_schedule(sch, remove_postproc=True)
+    with target:
+        built = tvm.compile(sch.mod, target=target)
+    source = built.mod.imports[0].inspect_source("cuda")
+    assert build.nvcc_build(source, "sm_90").kernels
