@@ -22,6 +22,11 @@ declared as ``[N, channels, out_h * out_w]``, which is a free view of the contig
 tensors, and gives the GEMM one long contiguous axis to vectorise even when ``out_w`` is small.
 The weight is declared as ``[O, C / groups, kh * kw]`` for the same reason.
 
+The backward is two PrimFuncs over the same geometry (:func:`backward`, :func:`grad_input`):
+every gradient but the input's is a gather or an ordered reduction and so a TE compute; the
+input's gradient is a scatter, written in TVMScript as one block per image plane, so that no two
+blocks write the same memory and no atomics are needed (deterministic gradients).
+
 The sampling rule is torchvision's (design.md section 3): a point is zero when ``y <= -1``,
 ``y >= H``, ``x <= -1`` or ``x >= W``; otherwise the four corners around it are weighted
 bilinearly and a corner outside the image counts as zero.
@@ -202,19 +207,24 @@ class _Sampling:
             return value
         return self.mask[n, g * self.shape.taps + k, self.source(p)].astype(self.acc) * value
 
-    def corner_coefficient(self, n, g, k, q, p):
-        """The forward coefficient of corner ``q``: bilinear weight x mask, 0 outside."""
+    def inside(self, y, x, in_image, closed: bool = False):
+        """The sample point's outer test and the corner's own: the forward's open one
+        (``-1 < y < H``), or the closed one at -1 (``-1 <= y < H``) of the offset gradient."""
         acc, h_, w_ = self.acc, self.shape.height, self.shape.width
-        y, x, weight_y, weight_x, in_image = self.corner(n, g, k, q, p)
-        inside = tirx.all(
-            y > tirx.const(-1, acc),
+        low = tirx.const(-1, acc)
+        return tirx.all(
+            y >= low if closed else y > low,
             y < tirx.const(h_, acc),
-            x > tirx.const(-1, acc),
+            x >= low if closed else x > low,
             x < tirx.const(w_, acc),
             *in_image,
         )
+
+    def corner_coefficient(self, n, g, k, q, p):
+        """The forward coefficient of corner ``q``: bilinear weight x mask, 0 outside."""
+        y, x, weight_y, weight_x, in_image = self.corner(n, g, k, q, p)
         value = self.masked(weight_y * weight_x, n, g, k, p)
-        return te.if_then_else(inside, value, tirx.const(0, acc))
+        return te.if_then_else(self.inside(y, x, in_image), value, tirx.const(0, self.acc))
 
     def derivative_coefficient(self, n, g, k, axis, q, p):
         """d(sample x mask) / d(coordinate ``axis``) as a coefficient of corner ``q``.
@@ -223,35 +233,21 @@ class _Sampling:
         so a point exactly at -1 still has the derivative of its right-hand side (row or column
         0); beyond that every corner is outside and the coefficient is 0.
         """
-        acc, h_, w_ = self.acc, self.shape.height, self.shape.width
         y, x, weight_y, weight_x, in_image = self.corner(n, g, k, q, p)
-        one = tirx.const(1, acc)
-        inside = tirx.all(
-            y >= tirx.const(-1, acc),
-            y < tirx.const(h_, acc),
-            x >= tirx.const(-1, acc),
-            x < tirx.const(w_, acc),
-            *in_image,
-        )
+        one = tirx.const(1, self.acc)
         if axis == 0:
             value = te.if_then_else(q // 2 == 0, -one, one) * weight_x
         else:
             value = te.if_then_else(q % 2 == 0, -one, one) * weight_y
         value = self.masked(value, n, g, k, p)
-        return te.if_then_else(inside, value, tirx.const(0, acc))
+        inside = self.inside(y, x, in_image, closed=True)
+        return te.if_then_else(inside, value, tirx.const(0, self.acc))
 
     def unmasked_coefficient(self, n, g, k, q, p):
         """The bilinear weight of corner ``q`` without the mask (d output / d mask)."""
-        acc, h_, w_ = self.acc, self.shape.height, self.shape.width
         y, x, weight_y, weight_x, in_image = self.corner(n, g, k, q, p)
-        inside = tirx.all(
-            y > tirx.const(-1, acc),
-            y < tirx.const(h_, acc),
-            x > tirx.const(-1, acc),
-            x < tirx.const(w_, acc),
-            *in_image,
-        )
-        return te.if_then_else(inside, weight_y * weight_x, tirx.const(0, acc))
+        inside = self.inside(y, x, in_image)
+        return te.if_then_else(inside, weight_y * weight_x, tirx.const(0, self.acc))
 
     def geometry(self) -> tuple[te.Tensor, te.Tensor, te.Tensor]:
         """The stages ``sample_rows``, ``sample_cols`` and ``sample_coef``."""
