@@ -159,7 +159,9 @@ def test_package_data_is_installed(tmp_path):
 
     (wheel,) = tmp_path.glob("tvm_deform-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "tvm_deform/schedules/cpu.py" in names
-    assert any(name.startswith("tvm_deform/tuning_logs/") for name in names)
+    for schedule in ("cpu.py", "cpu_backward.py", "cuda.py"):
+        assert f"tvm_deform/schedules/{schedule}" in names
+    for space in ("handwritten", "generic", "default"):
+        assert f"tvm_deform/tuning_logs/llvm/znver4/{space}/database_tuning_record.json" in names
     assert "tvm_deform/definition.py" in names
     assert "tvm_deform/suite.json" in names
