@@ -1,5 +1,5 @@
-"""The ``tvm-deform`` command (also ``python -m tvm_deform``): demo, bench, compare, diagnose, info,
-tune."""
+"""The ``tvm-deform`` command (also ``python -m tvm_deform``): demo, bench, bench-backward,
+compare, diagnose, info, tune, build."""
 
 from __future__ import annotations
 
