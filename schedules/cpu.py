@@ -30,12 +30,21 @@ def vector_bytes(target: Target) -> int:
     return max(bits, 128) // 8
 
 
-def _largest_divisor(n: int, at_most: int) -> int:
+def lanes(target: Target, dtype: str) -> int:
+    """Vector lanes of the float ``dtype`` on the LLVM ``target``."""
+    return max(1, vector_bytes(target) * 8 // int(dtype.removeprefix("float")))
+
+
+def largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
 
 
+def extents(sch: s_tir.Schedule, loops) -> list[int]:
+    return [int(sch.get(loop).extent) for loop in loops]
+
+
 def _loop_extents(sch: s_tir.Schedule, block) -> list[int]:
-    return [int(sch.get(loop).extent) for loop in sch.get_loops(block)]
+    return extents(sch, sch.get_loops(block))
 
 
 class DefaultCPU:
@@ -56,14 +65,14 @@ class DefaultCPU:
             return None
         conv = sch.get_sblock("conv")
         acc_dtype = str(sch.get(conv).writes[0].source.dtype)
-        lanes = max(1, vector_bytes(target) * 8 // int(acc_dtype.removeprefix("float")))
+        vector = lanes(target, acc_dtype)
         _, out_channels, pixels, _, _ = _loop_extents(sch, conv)
         # The definition pads a pixel axis longer than PIXEL_QUANTUM to a multiple of it, so a
         # power-of-two tile up to the quantum divides it; a shorter axis may need one tile.
-        tile = min(lanes * self.vectors_per_tile, PIXEL_QUANTUM, pixels)
+        tile = min(vector * self.vectors_per_tile, PIXEL_QUANTUM, pixels)
         if pixels % tile:
             tile = pixels
-        apply_structure(sch, [None, tile], [None, _largest_divisor(out_channels, self.out_block)])
+        apply_structure(sch, [None, tile], [None, largest_divisor(out_channels, self.out_block)])
         return sch
 
 
@@ -89,7 +98,7 @@ class HandwrittenSpace:
         apply_structure(
             sch,
             [None, self._choose(sch, tiles, pixels)],
-            [None, self._choose(sch, blocks, _largest_divisor(out_channels, 16))],
+            [None, self._choose(sch, blocks, largest_divisor(out_channels, 16))],
         )
         return sch
 

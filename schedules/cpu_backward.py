@@ -28,15 +28,8 @@ import dataclasses
 
 from tvm import s_tir, tirx
 from tvm.target import Target
-from tvm_deform.schedules.cpu import vector_bytes
-
-
-def _extents(sch: s_tir.Schedule, loops) -> list[int]:
-    return [int(sch.get(loop).extent) for loop in loops]
-
-
-def _lanes(target: Target, dtype: str) -> int:
-    return max(1, vector_bytes(target) * 8 // int(dtype.removeprefix("float")))
+from tvm_deform.schedules.cpu import extents, largest_divisor
+from tvm_deform.schedules.cpu import lanes as vector_lanes
 
 
 def _pixel_tile(pixels: int, lanes: int, vectors: int = 2) -> int:
@@ -49,7 +42,7 @@ def _elementwise(sch: s_tir.Schedule, block, lanes: int) -> None:
     """Parallel over every loop but the last, which is split and vectorised when it divides."""
     loops = sch.get_loops(block)
     *outer, last = loops
-    extent = _extents(sch, [last])[0]
+    extent = extents(sch, [last])[0]
     if extent % lanes == 0 and extent > lanes:
         last_outer, last_inner = sch.split(last, [None, lanes])
         outer.append(last_outer)
@@ -106,12 +99,12 @@ class DefaultCPUBackward:
         if not is_backward(sch):
             return None
         lanes = backward_lanes(sch, target)
-        channels, pixels, outputs, taps = _backward_extents(sch)
+        channels, pixels, outputs, taps = backward_extents(sch)
         choices = BackwardChoices(
-            channel_block=_largest_divisor(channels, self.channel_block),
+            channel_block=largest_divisor(channels, self.channel_block),
             columns_tile=_pixel_tile(pixels, lanes, vectors=2),
             sampling_tile=_pixel_tile(pixels, lanes, vectors=1),
-            weight_block=_largest_divisor(outputs, max(1, self.register_vectors // taps)),
+            weight_block=largest_divisor(outputs, max(1, self.register_vectors // taps)),
         )
         apply_backward_structure(sch, lanes, choices)
         return sch
@@ -130,7 +123,7 @@ class BackwardSpace:
 
     def __call__(self, sch: s_tir.Schedule) -> s_tir.Schedule:
         lanes = backward_lanes(sch, self.target)
-        channels, pixels, outputs, taps = _backward_extents(sch)
+        channels, pixels, outputs, taps = backward_extents(sch)
         default = DefaultCPUBackward()
 
         def choose(candidates: list[int], fallback: int):
@@ -142,34 +135,30 @@ class BackwardSpace:
         choices = BackwardChoices(
             channel_block=choose(
                 [b for b in (2, 4, 8, 16) if channels % b == 0 and b < channels],
-                _largest_divisor(channels, default.channel_block),
+                largest_divisor(channels, default.channel_block),
             ),
             columns_tile=choose(tiles, _pixel_tile(pixels, lanes, vectors=2)),
             sampling_tile=choose(tiles[:2], _pixel_tile(pixels, lanes, vectors=1)),
             weight_block=choose(
                 [b for b in (1, 2, 3, 4, 6, 8) if outputs % b == 0 and b * taps <= 32],
-                _largest_divisor(outputs, max(1, default.register_vectors // taps)),
+                largest_divisor(outputs, max(1, default.register_vectors // taps)),
             ),
         )
         apply_backward_structure(sch, lanes, choices)
         return sch
 
 
-def _largest_divisor(n: int, at_most: int) -> int:
-    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
-
-
-def _backward_extents(sch: s_tir.Schedule) -> tuple[int, int, int, int]:
+def backward_extents(sch: s_tir.Schedule) -> tuple[int, int, int, int]:
     """(input channels, padded pixels, output channels, taps) of the backward PrimFunc."""
-    _, channels, taps, pixels, _ = _extents(sch, sch.get_loops(sch.get_sblock("grad_columns")))
-    outputs = _extents(sch, sch.get_loops(sch.get_sblock("weight_sum")))[0]
+    _, channels, taps, pixels, _ = extents(sch, sch.get_loops(sch.get_sblock("grad_columns")))
+    outputs = extents(sch, sch.get_loops(sch.get_sblock("weight_sum")))[0]
     return channels, pixels, outputs, taps
 
 
 def backward_lanes(sch: s_tir.Schedule, target: Target) -> int:
     """Vector lanes of the accumulator dtype on ``target``."""
     acc = str(sch.get(sch.get_sblock("grad_columns")).writes[0].source.dtype)
-    return _lanes(target, acc)
+    return vector_lanes(target, acc)
 
 
 def apply_backward_structure(sch: s_tir.Schedule, lanes: int, choices: BackwardChoices) -> None:
@@ -219,7 +208,7 @@ def _sampling_grad(sch: s_tir.Schedule, tile) -> None:
 def _weight_sum(sch: s_tir.Schedule, lanes: int, outputs_per_block) -> None:
     block = sch.get_sblock("weight_sum")
     o, c, k, wn, wp = sch.get_loops(block)
-    pixels = _extents(sch, [wp])[0]
+    pixels = extents(sch, [wp])[0]
     if pixels % lanes or pixels <= lanes:
         sch.parallel(o)
         return

@@ -51,10 +51,10 @@ class DefaultCUDA:
         sch = s_tir.Schedule(func)
         if not is_deform_conv(sch):
             return None
-        self.threads_o, self.regs_o = self._out_tile(sch)
+        threads_o, regs_o = self.out_tile(sch)
         for name in GEOMETRY:
             self._elementwise(sch, sch.get_sblock(name))
-        self._gemm(sch)
+        self._gemm(sch, threads_o, regs_o)
         return sch
 
     def shared_bytes(self, sch: s_tir.Schedule, threads_o: int, regs_o: int) -> int:
@@ -75,7 +75,9 @@ class DefaultCUDA:
     def _channels_per_chunk(self, weight_in: int, taps: int) -> int:
         return max(1, min(weight_in, self.chunk // taps))
 
-    def _out_tile(self, sch: s_tir.Schedule) -> tuple[int, int]:
+    def out_tile(self, sch: s_tir.Schedule) -> tuple[int, int]:
+        """(threads, registers) along the output channels for the unscheduled PrimFunc in
+        ``sch``: the first of ``out_tiles`` within ``shared_budget``."""
         for threads_o, regs_o in self.out_tiles:
             if self.shared_bytes(sch, threads_o, regs_o) <= self.shared_budget:
                 return threads_o, regs_o
@@ -95,14 +97,15 @@ class DefaultCUDA:
         self._bind(sch, blocks, "blockIdx.x")
         self._bind(sch, threads, "threadIdx.x")
 
-    def _cooperative(self, sch: s_tir.Schedule, block) -> None:
-        """Spread ``block``'s loops (a shared-memory fill) over the block's threads."""
-        fused = sch.fuse(*sch.get_loops(block)[self._depth :])
-        _, ty, tx = sch.split(fused, [None, self.threads_o, self.threads_p])
+    def _cooperative(self, sch: s_tir.Schedule, block, depth: int, threads_o: int) -> None:
+        """Spread ``block``'s loops below the first ``depth`` (a shared-memory fill) over the
+        thread block's threads."""
+        fused = sch.fuse(*sch.get_loops(block)[depth:])
+        _, ty, tx = sch.split(fused, [None, threads_o, self.threads_p])
         self._bind(sch, ty, "threadIdx.y")
         self._bind(sch, tx, "threadIdx.x")
 
-    def _gemm(self, sch: s_tir.Schedule) -> None:
+    def _gemm(self, sch: s_tir.Schedule, threads_o: int, regs_o: int) -> None:
         conv = sch.get_sblock("conv")
         columns = sch.get_sblock("columns")
         output = sch.get_sblock("output")
@@ -113,8 +116,8 @@ class DefaultCUDA:
         n, o, p, rc, rk = sch.get_loops(conv)
         weight_in, taps = (int(sch.get(loop).extent) for loop in (rc, rk))
         # Each thread's register block is contiguous, so the write-back of one thread covers
-        # exactly its own outputs; its pixels are vectorised loads and stores.
-        o_outer, o_thread, o_reg = sch.split(o, [None, self.threads_o, self.regs_o])
+        # exactly its own outputs (a strided block made it cover its neighbours' too).
+        o_outer, o_thread, o_reg = sch.split(o, [None, threads_o, regs_o])
         p_outer, p_thread, p_reg = sch.split(p, [None, self.threads_p, self.regs_p])
         r_outer, r_inner = sch.split(rc, [None, self._channels_per_chunk(weight_in, taps)])
         sch.reorder(n, o_outer, p_outer, o_thread, p_thread, r_outer, r_inner, rk, o_reg, p_reg)
@@ -132,9 +135,8 @@ class DefaultCUDA:
         sch.compute_at(weight, r_outer)
         sch.compute_at(columns, r_outer)
         # Loops above the fill: the tile, the two thread loops and the chunk loop.
-        self._depth = 4
-        self._cooperative(sch, weight)
-        self._cooperative(sch, columns)
+        self._cooperative(sch, weight, 4, threads_o)
+        self._cooperative(sch, columns, 4, threads_o)
 
         sch.unroll(o_reg)
         sch.unroll(p_reg)

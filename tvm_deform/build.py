@@ -182,14 +182,8 @@ def compile_kernel(
 def cuda_source(shape: ConvShape, arch: str, record: logs.TunedRecord | None = None) -> str:
     """The CUDA C source of ``shape``'s forward kernels for ``arch`` (default schedule, or
     ``record``'s), as TVM generates it; needs no GPU."""
-    target = cuda_target(arch)
-    if record is not None:
-        sch = logs.tuned_schedule(shape, record)
-    else:
-        sch = default_schedule(shape, target)
-    with target:
-        # Built without the CUDA runtime, the device module keeps its source (format "cuda").
-        built = tvm.compile(sch.mod, target=target)
+    # Built without the CUDA runtime, the device module keeps its source (format "cuda").
+    built = compile_kernel(shape, cuda_target(arch), record)
     sources = [m.inspect_source("cuda") for m in built.mod.imports if m.kind == "cuda"]
     if not any(sources):
         raise RuntimeError(f"TVM produced no CUDA source for {shape} on {arch}")

@@ -82,13 +82,16 @@ def run_backward_cpu(
     ``grad_output``; the mask's is None without a mask, the bias's None when ``shape`` has no
     bias. ``kernels`` defaults to the ones dispatch picks for ``shape``."""
     # The kernels write every element; only an empty batch leaves the (zero) gradients as made.
-    new = torch.zeros_like if shape.batch == 0 else torch.empty_like
-    grad_input = new(input, memory_format=torch.contiguous_format)
-    grad_offset = new(offset, memory_format=torch.contiguous_format)
-    grad_mask = new(mask, memory_format=torch.contiguous_format) if mask is not None else None
-    grad_weight = new(weight, memory_format=torch.contiguous_format)
-    grad_bias = new(weight.new_empty(shape.out_channels)) if shape.has_bias else None
-    if shape.batch == 0:
+    empty = shape.batch == 0
+    like = torch.zeros_like if empty else torch.empty_like
+    grad_input = like(input, memory_format=torch.contiguous_format)
+    grad_offset = like(offset, memory_format=torch.contiguous_format)
+    grad_mask = like(mask, memory_format=torch.contiguous_format) if mask is not None else None
+    grad_weight = like(weight, memory_format=torch.contiguous_format)
+    grad_bias = None
+    if shape.has_bias:
+        grad_bias = (weight.new_zeros if empty else weight.new_empty)(shape.out_channels)
+    if empty:
         return grad_input, grad_offset, grad_mask, grad_weight, grad_bias
     kernels = kernels or build.get_backward(shape)
     build.configure_threads(torch.get_num_threads())
