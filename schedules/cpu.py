@@ -1,7 +1,7 @@
 """CPU schedules of the deformable convolution (LLVM targets).
 
 ``DefaultCPU`` is the untuned schedule used for any shape that has no tuning record;
-``HandwrittenSpace`` is the same structure with its tile sizes left to MetaSchedule (sampled
+``HandwrittenSpace`` is the same structures with their tile sizes left to MetaSchedule (sampled
 choices that its search draws and scores). The structure (design.md section 4):
 
 - the parallel loop is outermost and runs over (batch, tile of output pixels);
@@ -11,9 +11,21 @@ choices that its search draws and scores). The structure (design.md section 4):
 - the GEMM accumulates an ``(out_block x tile)`` register block, vectorised along the pixels
   (contiguous in the NCHW output) and unrolled along output channels, and the bias/cast epilogue
   is written from that block.
+
+Two refinements make the gathers cheap (they, not the GEMM, dominate at small channel counts):
+
+- **channels-last sampling**: the input is first copied into an NHWC buffer, so the four corners
+  of one sample point are four contiguous vectors of channels. The columns are then sampled
+  vectorised along the channels (one geometry value broadcast to the whole vector) instead of
+  with one gather instruction per corner and pixel vector.
+- **inline sampling** (depthwise-like layers, where each sampled column feeds exactly one output):
+  no column tile at all; the convolution reads its samples straight from the NHWC input, and its
+  register block is vectorised along the channels.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from tvm import s_tir, tirx
 from tvm.target import Target, codegen
@@ -58,55 +70,140 @@ class DefaultCPU:
     out_block = 8
     #: vectors along the pixels in the register block (columns of the register block)
     vectors_per_tile = 2
+    #: pixels in the register block of the inline (depthwise) structure
+    inline_pixels = 16
 
     def apply(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
         sch = s_tir.Schedule(func)
         if not is_deform_conv(sch):
             return None
         conv = sch.get_sblock("conv")
-        acc_dtype = str(sch.get(conv).writes[0].source.dtype)
-        vector = lanes(target, acc_dtype)
-        _, out_channels, pixels, _, _ = _loop_extents(sch, conv)
+        vector = lanes(target, str(sch.get(conv).writes[0].source.dtype))
+        layer = Layer.of(sch)
+        if layer.samples_used_once:
+            apply_inline_structure(
+                sch,
+                [None, _dividing_tile(layer.pixels, self.inline_pixels)],
+                [None, largest_divisor(layer.channels_per_offset_group, vector)],
+            )
+            return sch
         # The definition pads a pixel axis longer than PIXEL_QUANTUM to a multiple of it, so a
         # power-of-two tile up to the quantum divides it; a shorter axis may need one tile.
-        tile = min(vector * self.vectors_per_tile, PIXEL_QUANTUM, pixels)
-        if pixels % tile:
-            tile = pixels
-        apply_structure(sch, [None, tile], [None, largest_divisor(out_channels, self.out_block)])
+        apply_structure(
+            sch,
+            [None, _dividing_tile(layer.pixels, vector * self.vectors_per_tile)],
+            [None, largest_divisor(layer.out_channels, self.out_block)],
+            channels_last=layer.channels_per_offset_group >= CHANNELS_LAST_MIN,
+        )
         return sch
 
 
+def _dividing_tile(pixels: int, wanted: int) -> int:
+    tile = min(wanted, PIXEL_QUANTUM, pixels)
+    return tile if pixels % tile == 0 else pixels
+
+
+#: channels per offset group from which channels-last sampling is used by default: below it a
+#: vector of channels is mostly empty and the NHWC copy of the input is not paid back
+CHANNELS_LAST_MIN = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """What the schedules need to know of the layer, read from the forward PrimFunc's buffers."""
+
+    out_channels: int
+    pixels: int  # the padded pixel axis
+    in_channels: int
+    in_per_group: int  # input channels per weight group
+    offset_groups: int
+    taps: int
+
+    @classmethod
+    def of(cls, sch: s_tir.Schedule) -> Layer:
+        conv = sch.get(sch.get_sblock("conv"))
+        weight = next(r.source for r in conv.reads if r.source.name == "weight")
+        columns = sch.get(sch.get_sblock("columns")).writes[0].source
+        coef = sch.get(sch.get_sblock("sample_coef")).writes[0].source
+        _, out_channels, pixels = (int(d) for d in conv.writes[0].source.shape)
+        return cls(
+            out_channels=out_channels,
+            pixels=pixels,
+            in_channels=int(columns.shape[1]),
+            in_per_group=int(weight.shape[1]),
+            offset_groups=int(coef.shape[1]),
+            taps=int(columns.shape[2]),
+        )
+
+    @property
+    def channels_per_offset_group(self) -> int:
+        return self.in_channels // self.offset_groups
+
+    @property
+    def samples_used_once(self) -> bool:
+        """Whether every sampled column feeds exactly one output channel (depthwise layers):
+        one input and one output channel per weight group."""
+        groups = self.in_channels // self.in_per_group
+        return self.in_per_group == 1 and self.out_channels == groups
+
+
 class HandwrittenSpace:
-    """MetaSchedule design space with ``DefaultCPU``'s structure; the pixel tile (8 to
-    ``PIXEL_QUANTUM`` pixels, dividing the padded pixel axis) and the register block's output
-    channels (2 to 16, dividing the output channels) are sampled.
+    """MetaSchedule design spaces with ``DefaultCPU``'s structures and their tile sizes sampled.
+
+    - The column-tile structure, with pixel-vectorised sampling and, where a vector of channels
+      per offset group is at least 2 wide, a second design space with channels-last sampling.
+      Sampled: the pixel tile (8 to ``PIXEL_QUANTUM`` pixels, dividing the padded pixel axis)
+      and the register block's output channels (2 to 16, dividing the output channels).
+    - For depthwise layers, also the inline structure: sampled pixels (4 to 32) and channels
+      (4 to 32, dividing the channels per offset group) of its register block.
 
     The choices are ``sample_categorical`` over values that keep every loop longer than one: a
     unit loop disappears from the IR and changes how many loops a later ``get_loops`` returns,
-    which breaks MetaSchedule's replay of mutated traces. Use as
-    ``ms.space_generator.ScheduleFn(HandwrittenSpace())``.
+    which breaks MetaSchedule's replay of mutated traces. A structure is a separate design
+    space, not a sampled choice, because a trace replays its instructions whatever the
+    decisions. Use as ``ms.space_generator.ScheduleFn(HandwrittenSpace())``.
     """
 
     pixel_tiles = (8, 16, 32, 64)
     out_blocks = (2, 3, 4, 6, 8, 12, 16)
+    inline_pixels = (4, 8, 16, 32)
+    inline_channels = (4, 8, 16, 32)
 
-    def __call__(self, sch: s_tir.Schedule) -> s_tir.Schedule:
-        conv = sch.get_sblock("conv")
-        _, out_channels, pixels, _, _ = _loop_extents(sch, conv)
-        tiles = [t for t in self.pixel_tiles if pixels % t == 0 and t < pixels]
-        blocks = [b for b in self.out_blocks if out_channels % b == 0]
-        apply_structure(
-            sch,
-            [None, self._choose(sch, tiles, pixels)],
-            [None, self._choose(sch, blocks, largest_divisor(out_channels, 16))],
-        )
-        return sch
+    def __call__(self, sch: s_tir.Schedule) -> list[s_tir.Schedule]:
+        layer = Layer.of(sch)
+        spaces = []
+        layouts = [False, True] if layer.channels_per_offset_group >= 2 else [False]
+        for channels_last in layouts:
+            space = sch.copy()
+            tiles = [t for t in self.pixel_tiles if layer.pixels % t == 0 and t < layer.pixels]
+            blocks = [b for b in self.out_blocks if layer.out_channels % b == 0]
+            apply_structure(
+                space,
+                [None, _choose(space, tiles, layer.pixels)],
+                [None, _choose(space, blocks, largest_divisor(layer.out_channels, 16))],
+                channels_last=channels_last,
+            )
+            spaces.append(space)
+        if layer.samples_used_once:
+            space = sch.copy()
+            tiles = [t for t in self.inline_pixels if layer.pixels % t == 0 and t < layer.pixels]
+            per_group = layer.channels_per_offset_group
+            blocks = [
+                b for b in self.inline_channels if per_group % b == 0 and b < layer.out_channels
+            ]
+            apply_inline_structure(
+                space,
+                [None, _choose(space, tiles, layer.pixels)],
+                [None, _choose(space, blocks, largest_divisor(per_group, 16))],
+            )
+            spaces.append(space)
+        return spaces
 
-    @staticmethod
-    def _choose(sch: s_tir.Schedule, candidates: list[int], fallback: int):
-        if len(candidates) <= 1:
-            return candidates[0] if candidates else fallback
-        return sch.sample_categorical(candidates, [1.0 / len(candidates)] * len(candidates))
+
+def _choose(sch: s_tir.Schedule, candidates: list[int], fallback: int):
+    if len(candidates) <= 1:
+        return candidates[0] if candidates else fallback
+    return sch.sample_categorical(candidates, [1.0 / len(candidates)] * len(candidates))
 
 
 def is_deform_conv(sch: s_tir.Schedule) -> bool:
@@ -122,13 +219,20 @@ def is_deform_conv(sch: s_tir.Schedule) -> bool:
 GEOMETRY = ("sample_coef", "sample_cols", "sample_rows")
 
 
-def apply_structure(sch: s_tir.Schedule, pixel_factors: list, out_factors: list) -> None:
-    """Schedule the forward PrimFunc in ``sch`` with the structure described in the module
-    docstring; the factors split the pixel and output-channel axes (ints or sampled)."""
+def apply_structure(
+    sch: s_tir.Schedule, pixel_factors: list, out_factors: list, channels_last: bool = False
+) -> None:
+    """Schedule the forward PrimFunc in ``sch`` with the column-tile structure described in the
+    module docstring; the factors split the pixel and output-channel axes (ints or sampled).
+    ``channels_last``: sample the columns from an NHWC copy of the input, vectorised along the
+    channels."""
+    layer = Layer.of(sch)
     conv = sch.get_sblock("conv")
     columns = sch.get_sblock("columns")
     output = sch.get_sblock("output")
     geometry = [sch.get_sblock(name) for name in GEOMETRY]
+    if channels_last:
+        channels_last_input(sch, columns)
 
     # The register block is accumulated in a local buffer, which the output stage (bias, cast,
     # dropping the padding pixels) reads directly.
@@ -150,8 +254,78 @@ def apply_structure(sch: s_tir.Schedule, pixel_factors: list, out_factors: list)
     sch.unroll(o_inner)
     sch.vectorize(p_inner)
     sch.vectorize(sch.get_loops(output)[-1])
-    sch.vectorize(sch.get_loops(columns)[-1])
+    if channels_last:
+        _vectorise_along_channels(sch, columns, layer, int(sch.get(p_inner).extent))
+    else:
+        sch.vectorize(sch.get_loops(columns)[-1])
     for block in geometry:
         sch.vectorize(sch.get_loops(block)[-1])
     # Last: the zero-fill is split off the reduction so that it, too, is vectorised.
+    sch.decompose_reduction(conv, rc)
+
+
+def _vectorise_along_channels(sch: s_tir.Schedule, columns, layer: Layer, tile: int) -> None:
+    """Reorder the column tile's loops (channel, tap, pixel) to (offset group, tap, pixel,
+    channel of the group) and vectorise the last: the geometry is one value per vector of
+    channels; the stores into the tile are strided."""
+    # compute_at made one loop per axis longer than one, in this order.
+    axes = [
+        name
+        for name, extent in (("channel", layer.in_channels), ("tap", layer.taps), ("pixel", tile))
+        if extent > 1
+    ]
+    loops = dict(zip(axes, sch.get_loops(columns)[-len(axes) :], strict=True)) if axes else {}
+    order = [loops[name] for name in ("tap", "pixel") if name in loops]
+    channel = loops.get("channel")
+    if channel is None:
+        if order:
+            sch.vectorize(order[-1])
+        return
+    if 1 < layer.offset_groups < layer.in_channels:
+        group, channel = sch.split(channel, [layer.offset_groups, None])
+        order.insert(0, group)
+    if order:
+        sch.reorder(*order, channel)
+    sch.vectorize(channel)
+
+
+def channels_last_input(sch: s_tir.Schedule, consumer) -> None:
+    """Make ``consumer`` read the input from an NHWC copy (stage ``data_global``), filled in
+    parallel over the image rows before everything else."""
+    reads = [str(region.source.name) for region in sch.get(consumer).reads]
+    copy = sch.cache_read(consumer, reads.index("data"), "global")
+    sch.transform_layout(copy, ("write", 0), lambda n, c, y, x: (n, y, x, c))
+    n, c, y, x = sch.get_loops(copy)
+    sch.reorder(n, y, c, x)  # reads along the rows of each channel, strided writes
+    sch.parallel(sch.fuse(n, y))
+
+
+def apply_inline_structure(sch: s_tir.Schedule, pixel_factors: list, channel_factors: list) -> None:
+    """Schedule a depthwise-like forward PrimFunc (see :attr:`Layer.samples_used_once`) with the
+    inline structure of the module docstring: the columns are inlined into the convolution,
+    which reads an NHWC copy of the input; its ``(pixels x channels)`` register block is
+    vectorised along the channels. The factors split the pixel and channel axes."""
+    conv = sch.get_sblock("conv")
+    columns = sch.get_sblock("columns")
+    output = sch.get_sblock("output")
+    geometry = [sch.get_sblock(name) for name in GEOMETRY]
+    channels_last_input(sch, columns)
+    sch.compute_inline(columns)
+
+    acc = sch.cache_write(conv, 0, "local")
+    # The register block's channels are the vector lanes, so they are contiguous in it.
+    sch.transform_layout(conv, ("write", 0), lambda n, o, p: (n, p, o))
+    n, o, p, rc, rk = sch.get_loops(conv)
+    p_outer, p_inner = sch.split(p, pixel_factors)
+    o_outer, o_inner = sch.split(o, channel_factors)
+    sch.reorder(n, p_outer, o_outer, rc, rk, p_inner, o_inner)
+    outer = sch.fuse(n, p_outer)
+    sch.parallel(outer)
+    sch.compute_inline(acc)
+    sch.reverse_compute_at(output, o_outer)
+    for block in geometry:
+        sch.compute_at(block, outer)
+        sch.vectorize(sch.get_loops(block)[-1])
+    sch.unroll(p_inner)
+    sch.vectorize(o_inner)
     sch.decompose_reduction(conv, rc)

@@ -69,3 +69,43 @@ def make_inputs(cfg: dict, dtype: torch.dtype, offset_scale: float = 2.0, seed: 
 
 
 CONFIGS = [random_config(random.Random(seed)) for seed in range(16)]
+
+
+def shape_of(cfg: dict, dtype: torch.dtype = torch.float32):
+    """The ConvShape of a configuration."""
+    from tvm_deform.definition import ConvShape
+
+    return ConvShape(
+        cfg["n"],
+        cfg["c"],
+        cfg["h"],
+        cfg["w"],
+        cfg["o"],
+        cfg["kh"],
+        cfg["kw"],
+        *cfg["stride"],
+        *cfg["padding"],
+        *cfg["dilation"],
+        weight_groups=cfg["groups"],
+        offset_groups=cfg["offset_groups"],
+        has_mask=cfg["use_mask"],
+        has_bias=cfg["use_bias"],
+        dtype=str(dtype).removeprefix("torch."),
+    )
+
+
+def depthwise_config(rng: random.Random) -> dict:
+    """A random configuration in which every input channel is its own weight group with one
+    output channel (the layers the inline CPU structure is for)."""
+    cfg = random_config(rng)
+    channels = cfg["offset_groups"] * rng.choice([1, 3, 8, 16, 20])
+    return cfg | dict(c=channels, o=channels, groups=channels)
+
+
+#: wider random layers (8 to 40 channels per offset group), so that vectors of channels fill up
+WIDE_CONFIGS = [
+    random_config(random.Random(100 + seed))
+    | dict(c=16 * (1 + seed % 3) * (1 + seed % 2), o=8 * (1 + seed % 3), groups=1)
+    for seed in range(6)
+]
+DEPTHWISE_CONFIGS = [depthwise_config(random.Random(200 + seed)) for seed in range(8)]

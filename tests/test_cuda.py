@@ -12,7 +12,7 @@ import torch
 import torchvision.ops
 import tvm
 from conftest import assert_close
-from inputs import CONFIGS, make_inputs
+from inputs import CONFIGS, make_inputs, shape_of
 from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
 from tvm_deform.schedules.cuda import DefaultCUDA
@@ -80,22 +80,7 @@ def test_emulated_cuda_schedule_matches_torchvision(cfg):
     args = make_inputs(cfg, torch.float32)
     out_h = torchvision.ops.deform_conv2d(**args).shape[2]
     out_w = torchvision.ops.deform_conv2d(**args).shape[3]
-    shape = ConvShape(
-        cfg["n"],
-        cfg["c"],
-        cfg["h"],
-        cfg["w"],
-        cfg["o"],
-        cfg["kh"],
-        cfg["kw"],
-        *args["stride"],
-        *args["padding"],
-        *args["dilation"],
-        weight_groups=cfg["groups"],
-        offset_groups=cfg["offset_groups"],
-        has_mask=cfg["use_mask"],
-        has_bias=cfg["use_bias"],
-    )
+    shape = shape_of(cfg)
     assert (shape.out_h, shape.out_w) == (out_h, out_w)
     ours = run_forward(
         shape,
