@@ -296,8 +296,21 @@ def channels_last_input(sch: s_tir.Schedule, consumer) -> None:
     copy = sch.cache_read(consumer, reads.index("data"), "global")
     sch.transform_layout(copy, ("write", 0), lambda n, c, y, x: (n, y, x, c))
     n, c, y, x = sch.get_loops(copy)
-    sch.reorder(n, y, c, x)  # reads along the rows of each channel, strided writes
+    channels, width = extents(sch, [c, x])
+    sch.reorder(n, y, c, x)
     sch.parallel(sch.fuse(n, y))
+    if channels % TRANSPOSE_BLOCK == 0 and width % TRANSPOSE_BLOCK == 0:
+        # Square blocks, a row of the block read as one vector: LLVM otherwise picks gather or
+        # scatter instructions, which are slow (measured: about 13% of a depthwise layer).
+        c_outer, c_inner = sch.split(c, [None, TRANSPOSE_BLOCK])
+        x_outer, x_inner = sch.split(x, [None, TRANSPOSE_BLOCK])
+        sch.reorder(x_outer, c_outer, c_inner, x_inner)
+        sch.unroll(c_inner)
+        sch.vectorize(x_inner)
+
+
+#: the side of the square blocks in which the input is copied to NHWC
+TRANSPOSE_BLOCK = 8
 
 
 def apply_inline_structure(sch: s_tir.Schedule, pixel_factors: list, channel_factors: list) -> None:
