@@ -55,10 +55,6 @@ def extents(sch: s_tir.Schedule, loops) -> list[int]:
     return [int(sch.get(loop).extent) for loop in loops]
 
 
-def _loop_extents(sch: s_tir.Schedule, block) -> list[int]:
-    return extents(sch, sch.get_loops(block))
-
-
 class DefaultCPU:
     """The untuned CPU schedule: valid for every shape and dtype the definition produces.
 
@@ -87,8 +83,6 @@ class DefaultCPU:
                 [None, largest_divisor(layer.channels_per_offset_group, vector)],
             )
             return sch
-        # The definition pads a pixel axis longer than PIXEL_QUANTUM to a multiple of it, so a
-        # power-of-two tile up to the quantum divides it; a shorter axis may need one tile.
         apply_structure(
             sch,
             [None, _dividing_tile(layer.pixels, vector * self.vectors_per_tile)],
@@ -99,6 +93,9 @@ class DefaultCPU:
 
 
 def _dividing_tile(pixels: int, wanted: int) -> int:
+    """A pixel tile of at most ``wanted`` that divides the padded pixel axis: the definition pads
+    an axis longer than PIXEL_QUANTUM to a multiple of it, so a power-of-two tile up to the
+    quantum divides it; a shorter axis may need one tile."""
     tile = min(wanted, PIXEL_QUANTUM, pixels)
     return tile if pixels % tile == 0 else pixels
 

@@ -12,6 +12,7 @@ from conftest import assert_close
 from inputs import CONFIGS, DEPTHWISE_CONFIGS, WIDE_CONFIGS, make_inputs, shape_of
 from tvm import s_tir
 from tvm_deform.schedules.cpu import (
+    TRANSPOSE_BLOCK,
     DefaultCPU,
     HandwrittenSpace,
     Layer,
@@ -62,6 +63,15 @@ def column_tile(sch: s_tir.Schedule, channels_last: bool, tile: int = 16, block:
 @pytest.mark.parametrize("cfg", CONFIGS + WIDE_CONFIGS, ids=lambda cfg: None)
 def test_column_tile_structure_matches_torchvision(cfg, channels_last):
     check(column_tile(schedule(cfg), channels_last), cfg)
+
+
+def test_channels_last_with_the_blocked_input_copy():
+    # 16 channels and 16 columns: the NHWC copy runs in square blocks (TRANSPOSE_BLOCK).
+    cfg = WIDE_CONFIGS[0] | dict(c=16, w=16, h=11, offset_groups=2)
+    assert cfg["c"] % TRANSPOSE_BLOCK == 0 and cfg["w"] % TRANSPOSE_BLOCK == 0
+    check(column_tile(schedule(cfg), channels_last=True), cfg)
+    depthwise = cfg | dict(o=16, groups=16)
+    check(inline(schedule(depthwise)), depthwise)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
