@@ -220,11 +220,21 @@ class _Sampling:
             *in_image,
         )
 
-    def corner_coefficient(self, n, g, k, q, p):
-        """The forward coefficient of corner ``q``: bilinear weight x mask, 0 outside."""
+    def corner_coefficient(self, n, g, k, q, p, select: bool = False):
+        """The forward coefficient of corner ``q``: bilinear weight x mask, 0 outside.
+
+        ``select``: a ``Select``, which evaluates both sides (every load in them is in bounds:
+        the pixel index is clamped) and which TVM vectorises; ``if_then_else`` with a
+        per-pixel condition makes TVM scalarise the whole vectorised loop. The forward uses
+        ``Select``; the backward keeps ``if_then_else`` so that its shipped tuning records,
+        which match the definition structurally, stay valid until it is re-tuned.
+        """
         y, x, weight_y, weight_x, in_image = self.corner(n, g, k, q, p)
         value = self.masked(weight_y * weight_x, n, g, k, p)
-        return te.if_then_else(self.inside(y, x, in_image), value, tirx.const(0, self.acc))
+        inside = self.inside(y, x, in_image)
+        if select:
+            return tirx.Select(inside, value, tirx.const(0, self.acc))
+        return te.if_then_else(inside, value, tirx.const(0, self.acc))
 
     def derivative_coefficient(self, n, g, k, axis, q, p):
         """d(sample x mask) / d(coordinate ``axis``) as a coefficient of corner ``q``.
@@ -249,8 +259,9 @@ class _Sampling:
         inside = self.inside(y, x, in_image)
         return te.if_then_else(inside, weight_y * weight_x, tirx.const(0, self.acc))
 
-    def geometry(self) -> tuple[te.Tensor, te.Tensor, te.Tensor]:
-        """The stages ``sample_rows``, ``sample_cols`` and ``sample_coef``."""
+    def geometry(self, select: bool = False) -> tuple[te.Tensor, te.Tensor, te.Tensor]:
+        """The stages ``sample_rows``, ``sample_cols`` and ``sample_coef`` (``select``: see
+        :meth:`corner_coefficient`)."""
         shape = self.shape
         size = (shape.batch, shape.offset_groups, shape.taps)
         sample_rows = te.compute(
@@ -265,7 +276,7 @@ class _Sampling:
         )
         sample_coef = te.compute(
             (*size, 4, self.padded),
-            lambda n, g, k, q, p: self.corner_coefficient(n, g, k, q, p),
+            lambda n, g, k, q, p: self.corner_coefficient(n, g, k, q, p, select),
             name="sample_coef",
         )
         return sample_rows, sample_cols, sample_coef
@@ -310,7 +321,7 @@ def forward_tensors(shape: ConvShape) -> list[te.Tensor]:
 
     data, offset, mask, weight, bias = _placeholders(shape)
     sampling = _Sampling(shape, offset, mask)
-    columns = _columns(shape, data, sampling.geometry(), padded)
+    columns = _columns(shape, data, sampling.geometry(select=True), padded)
 
     rc = te.reduce_axis((0, weight_in), name="rc")
     rk = te.reduce_axis((0, shape.taps), name="rk")
