@@ -231,25 +231,13 @@ def apply_structure(
     if channels_last:
         channels_last_input(sch, columns)
 
-    # The register block is accumulated in a local buffer, which the output stage (bias, cast,
-    # dropping the padding pixels) reads directly.
-    acc = sch.cache_write(conv, 0, "local")
-    n, o, p, rc, rk = sch.get_loops(conv)
-    p_outer, p_inner = sch.split(p, pixel_factors)
-    o_outer, o_inner = sch.split(o, out_factors)
-    sch.reorder(n, p_outer, o_outer, rc, rk, o_inner, p_inner)
-    outer = sch.fuse(n, p_outer)
-    sch.parallel(outer)
-    sch.compute_inline(acc)
-    sch.reverse_compute_at(output, o_outer)
+    outer, p_inner, reduction = _register_block(sch, pixel_factors, out_factors, "pixels")
 
     # The columns of this pixel tile, then their geometry, just before the GEMM uses them.
     sch.compute_at(columns, outer)
     for block in geometry:
         sch.compute_at(block, outer)
 
-    sch.unroll(o_inner)
-    sch.vectorize(p_inner)
     sch.vectorize(sch.get_loops(output)[-1])
     if channels_last:
         _vectorise_along_channels(sch, columns, layer, int(sch.get(p_inner).extent))
@@ -258,7 +246,7 @@ def apply_structure(
     for block in geometry:
         sch.vectorize(sch.get_loops(block)[-1])
     # Last: the zero-fill is split off the reduction so that it, too, is vectorised.
-    sch.decompose_reduction(conv, rc)
+    sch.decompose_reduction(conv, reduction)
 
 
 def _vectorise_along_channels(sch: s_tir.Schedule, columns, layer: Layer, tile: int) -> None:
@@ -317,25 +305,38 @@ def apply_inline_structure(sch: s_tir.Schedule, pixel_factors: list, channel_fac
     vectorised along the channels. The factors split the pixel and channel axes."""
     conv = sch.get_sblock("conv")
     columns = sch.get_sblock("columns")
-    output = sch.get_sblock("output")
     geometry = [sch.get_sblock(name) for name in GEOMETRY]
     channels_last_input(sch, columns)
     sch.compute_inline(columns)
 
-    acc = sch.cache_write(conv, 0, "local")
-    # The register block's channels are the vector lanes, so they are contiguous in it.
-    sch.transform_layout(conv, ("write", 0), lambda n, o, p: (n, p, o))
-    n, o, p, rc, rk = sch.get_loops(conv)
-    p_outer, p_inner = sch.split(p, pixel_factors)
-    o_outer, o_inner = sch.split(o, channel_factors)
-    sch.reorder(n, p_outer, o_outer, rc, rk, p_inner, o_inner)
-    outer = sch.fuse(n, p_outer)
-    sch.parallel(outer)
-    sch.compute_inline(acc)
-    sch.reverse_compute_at(output, o_outer)
+    outer, _, reduction = _register_block(sch, pixel_factors, channel_factors, "channels")
     for block in geometry:
         sch.compute_at(block, outer)
         sch.vectorize(sch.get_loops(block)[-1])
-    sch.unroll(p_inner)
-    sch.vectorize(o_inner)
-    sch.decompose_reduction(conv, rc)
+    sch.decompose_reduction(conv, reduction)
+
+
+def _register_block(sch: s_tir.Schedule, pixel_factors: list, out_factors: list, lanes_along: str):
+    """Tile ``conv`` into the parallel loop over (batch, pixel tile) and, under the output-channel
+    tiles and the reduction, an (output channels x pixels) register block: vectorised along the
+    pixels and unrolled along the channels, or (``lanes_along="channels"``) the other way round.
+    The block is accumulated in a local buffer that the output stage (bias, cast, dropping the
+    padding pixels) reads directly. Returns the parallel loop, the block's pixel loop and the
+    outer reduction loop."""
+    conv = sch.get_sblock("conv")
+    acc = sch.cache_write(conv, 0, "local")
+    if lanes_along == "channels":
+        # The vector lanes must be contiguous in the local buffer.
+        sch.transform_layout(conv, ("write", 0), lambda n, o, p: (n, p, o))
+    n, o, p, rc, rk = sch.get_loops(conv)
+    p_outer, p_inner = sch.split(p, pixel_factors)
+    o_outer, o_inner = sch.split(o, out_factors)
+    unrolled, lanes = (p_inner, o_inner) if lanes_along == "channels" else (o_inner, p_inner)
+    sch.reorder(n, p_outer, o_outer, rc, rk, unrolled, lanes)
+    outer = sch.fuse(n, p_outer)
+    sch.parallel(outer)
+    sch.compute_inline(acc)
+    sch.reverse_compute_at(sch.get_sblock("output"), o_outer)
+    sch.unroll(unrolled)
+    sch.vectorize(lanes)
+    return outer, p_inner, rc
