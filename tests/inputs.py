@@ -102,7 +102,8 @@ def depthwise_config(rng: random.Random) -> dict:
     return cfg | dict(c=channels, o=channels, groups=channels)
 
 
-#: wider random layers (8 to 40 channels per offset group), so that vectors of channels fill up
+#: wider random layers (16 to 96 channels, 8 to 96 per offset group), so that vectors of channels
+#: fill up
 WIDE_CONFIGS = [
     random_config(random.Random(100 + seed))
     | dict(c=16 * (1 + seed % 3) * (1 + seed % 2), o=8 * (1 + seed % 3), groups=1)
