@@ -101,7 +101,8 @@ def _dividing_tile(pixels: int, wanted: int) -> int:
 
 
 #: channels per offset group from which channels-last sampling is used by default: below it a
-#: vector of channels is mostly empty and the NHWC copy of the input is not paid back
+#: vector of channels is mostly empty (on the 3-channel seed layer the channels-last kernel took
+#: 15 us against 11 us; the threshold itself has not been searched)
 CHANNELS_LAST_MIN = 8
 
 

@@ -6,6 +6,8 @@ import random
 
 import torch
 
+from tvm_deform.definition import ConvShape
+
 
 def random_config(rng: random.Random) -> dict:
     groups = rng.choice([1, 1, 2, 3])
@@ -71,10 +73,8 @@ def make_inputs(cfg: dict, dtype: torch.dtype, offset_scale: float = 2.0, seed: 
 CONFIGS = [random_config(random.Random(seed)) for seed in range(16)]
 
 
-def shape_of(cfg: dict, dtype: torch.dtype = torch.float32):
+def shape_of(cfg: dict, dtype: torch.dtype = torch.float32) -> ConvShape:
     """The ConvShape of a configuration."""
-    from tvm_deform.definition import ConvShape
-
     return ConvShape(
         cfg["n"],
         cfg["c"],
