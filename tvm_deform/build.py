@@ -1,9 +1,10 @@
 """Build and dispatch: targets, workload keys, compilation and the kernel caches.
 
-A kernel is compiled the first time a shape is seen, kept in memory for the process, and
-exported as a shared library into the on-disk cache so the next process loads it instead of
-compiling. The disk cache key covers the workload, the target, the TVM and package versions and
-a digest of the definition and schedule sources, so a change to any of them misses the cache
+A kernel is compiled the first time a shape is seen, exported as a shared library into the
+on-disk cache so the next process loads it instead of compiling, loaded from that file (so that
+its parallel loops can run on torch's threads, see :mod:`tvm_deform.launcher`) and kept in memory
+for the process. The disk cache key covers the workload, the target, the TVM and package
+versions, the thread pool and a digest of the definition and schedule sources, so a change to any of them misses the cache
 instead of loading a stale kernel.
 """
 
@@ -17,6 +18,7 @@ import inspect
 import json
 import os
 import platform
+import shutil
 import struct
 import tempfile
 import threading
@@ -31,7 +33,7 @@ import tvm
 from tvm import s_tir
 from tvm.target import Target, codegen
 
-from . import __version__, definition, env, logs
+from . import __version__, definition, env, launcher, logs
 from .definition import ConvShape
 from .schedules.cpu import DefaultCPU
 from .schedules.cpu_backward import DefaultCPUBackward, DefaultCPUGradInput
@@ -127,8 +129,18 @@ def cache_path(
 ) -> Path:
     """Where the on-disk cache keeps the ``op`` ("forward" or "backward") kernel of ``shape``
     for ``target``, compiled with ``schedule`` ("default", or a tuned record's identity)."""
+    # Kernels on TVM's pool and on torch's threads are separate files: a file loaded twice is one
+    # library with one launch variable, which the two would otherwise fight over.
+    pool = "torch" if target.kind.name == "llvm" and launcher.enabled() else "tvm"
     text = "\n".join(
-        (workload_key(shape, target), schedule, tvm.__version__, __version__, _source_digest())
+        (
+            workload_key(shape, target),
+            schedule,
+            tvm.__version__,
+            __version__,
+            _source_digest(),
+            f"pool {pool}",
+        )
     )
     if op != "forward":
         text += f"\n{op}"
@@ -293,18 +305,21 @@ def get_kernel(shape: ConvShape, target: Target | None = None, tuned: bool | Non
     :func:`resolve`)."""
     target = target or host_target()
     tuned = env.tuned_enabled() if tuned is None else tuned
-    # The log settings are part of the key, so changing them mid-process takes effect.
-    key = ("forward", shape, str(target), tuned, env.user_logs_dir())
+    # The log and pool settings are part of the key, so changing them mid-process takes effect.
+    key = ("forward", shape, str(target), tuned, env.user_logs_dir(), env.launcher_enabled())
+    return _memoised(key, lambda: load_kernel(shape, target, resolve(shape, target, tuned)))
 
-    def load() -> Kernel:
-        record = resolve(shape, target, tuned)
-        schedule = "default" if record is None else record.identity
-        module = _cached_module(
-            cache_path(shape, target, schedule), lambda: compile_kernel(shape, target, record)
-        )
-        return module["deform_conv2d"]
 
-    return _memoised(key, load)
+def load_kernel(
+    shape: ConvShape, target: Target, record: logs.TunedRecord | None = None
+) -> Kernel:
+    """The forward kernel of ``shape`` with ``record``'s schedule (None: the default), through
+    the disk cache, not memoised (benchmarks use it to run schedules dispatch would not pick)."""
+    schedule = "default" if record is None else record.identity
+    module = _load_module(
+        cache_path(shape, target, schedule), lambda: compile_kernel(shape, target, record)
+    )
+    return module["deform_conv2d"]
 
 
 def get_backward(
@@ -318,24 +333,67 @@ def get_backward(
     def load() -> BackwardKernels:
         record = resolve(shape, target, tuned, "backward")
         schedule = "default" if record is None else record.identity
-        module = _cached_module(
+        module = _load_module(
             cache_path(shape, target, schedule, op="backward"),
             lambda: compile_backward(shape, target, record),
         )
         return BackwardKernels(module["deform_conv2d_backward"], module["deform_conv2d_grad_input"])
 
-    return _memoised(("backward", shape, str(target), tuned, env.user_logs_dir()), load)
+    key = ("backward", shape, str(target), tuned, env.user_logs_dir(), env.launcher_enabled())
+    return _memoised(key, load)
 
 
-def _cached_module(path: Path, compile_module: Callable[[], tvm.runtime.Module]):
-    """The module at ``path`` in the disk cache, else ``compile_module()`` (stored there)."""
-    if not env.cache_enabled():
-        return compile_module()
-    module = _load_cached(path)
-    if module is None:
-        module = compile_module()
-        _store_cached(module, path)
+#: set once a CPU kernel runs on TVM's own thread pool (launcher off or unavailable, or a kernel
+#: that could not be loaded from a file): only then does TVM's pool need a thread count
+_tvm_pool_in_use = False
+
+
+def _load_module(
+    path: Path, compile_module: Callable[[], tvm.runtime.Module]
+) -> tvm.runtime.Module:
+    """The kernel library at ``path`` in the disk cache, else ``compile_module()`` exported there
+    (or to a private file when the cache is off or cannot be written), loaded from its file with
+    its parallel loops attached to torch's threads."""
+    global _tvm_pool_in_use
+    module = _load_cached(path) if env.cache_enabled() else None
+    if module is not None:
+        attached = launcher.attach(path)
+    else:
+        built = compile_module()
+        if env.cache_enabled():
+            _store_cached(built, path)
+            module = _load_cached(path)
+        if module is not None:
+            attached = launcher.attach(path)
+        else:
+            module, attached = _load_private(built, path.name)
+    if not attached:
+        _tvm_pool_in_use = True
     return module
+
+
+def _load_private(built: tvm.runtime.Module, name: str) -> tuple[tvm.runtime.Module, bool]:
+    """``built`` exported to a temporary file, loaded from it and attached to the launcher
+    (the file is removed once loaded), and whether it was attached; ``built`` itself, on TVM's
+    pool, if it cannot be exported (no compiler to link it)."""
+    directory = Path(tempfile.mkdtemp(prefix="tvm_deform-"))
+    path = directory / name
+    try:
+        try:
+            built.export_library(str(path))
+            module = tvm.runtime.load_module(str(path))
+        except Exception as error:  # noqa: BLE001 - e.g. no compiler to link the library
+            warnings.warn(
+                f"kernel {name} could not be exported ({error}); it runs from memory, on TVM's "
+                "thread pool",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return built, False
+        # Attached while the file exists: dlopen finds the loaded library by its path.
+        return module, launcher.attach(path)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _memoised(key: tuple, load: Callable):
@@ -360,9 +418,10 @@ _configured_threads = 0
 
 
 def configure_threads(count: int) -> None:
-    """Make TVM's CPU kernels use ``count`` threads (a no-op when already so)."""
+    """Make TVM's CPU thread pool use ``count`` threads: a no-op when already so, or when no
+    kernel runs on it (kernels attached to the launcher use torch's threads and thread count)."""
     global _configured_threads
-    if count != _configured_threads:
+    if _tvm_pool_in_use and count != _configured_threads:
         # Mode 1 ("big cores") with an explicit count: use ``count`` workers of the pool.
         tvm.get_global_func("runtime.config_threadpool")(1, count)
         _configured_threads = count

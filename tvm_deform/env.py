@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-#: TVM's thread pool is created with ``TVM_NUM_THREADS`` workers, capped by default at half the
+#: TVM's thread pool (used only when the launcher on torch's threads is off or unavailable, see
+#: ``launcher``) is created with ``TVM_NUM_THREADS`` workers, capped by default at half the
 #: logical cores (one thread on a 2-core machine). We let it hold every core and choose how many
 #: it uses per call (torch's thread count, see ``build.configure_threads``).
 os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
@@ -48,6 +49,12 @@ def tuned_enabled() -> bool:
     return _flag("TVM_DEFORM_TUNED", True)
 
 
+def launcher_enabled() -> bool:
+    """``TVM_DEFORM_LAUNCHER=0`` runs the CPU kernels on TVM's own thread pool instead of
+    torch's intra-op threads (see :mod:`tvm_deform.launcher`)."""
+    return _flag("TVM_DEFORM_LAUNCHER", True)
+
+
 def user_logs_dir() -> Path | None:
     """``TVM_DEFORM_LOGS``: a tuning-log directory (laid out like ``tuning_logs/``) searched
     before the shipped logs."""
@@ -59,6 +66,7 @@ def user_logs_dir() -> Path | None:
 VARIABLES = {
     "TVM_DEFORM_CACHE": "0 turns the on-disk kernel cache off",
     "TVM_DEFORM_CACHE_DIR": "directory of the on-disk kernel cache",
+    "TVM_DEFORM_LAUNCHER": "0 runs CPU kernels on TVM's thread pool, not torch's threads",
     "TVM_DEFORM_LOGS": "tuning-log directory searched before the shipped logs",
     "TVM_DEFORM_TUNED": "0 ignores all tuning logs (default schedules only)",
     "TVM_NUM_THREADS": "size of TVM's CPU thread pool (set to all cores by tvm_deform)",
