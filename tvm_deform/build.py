@@ -4,8 +4,8 @@ A kernel is compiled the first time a shape is seen, exported as a shared librar
 on-disk cache so the next process loads it instead of compiling, loaded from that file (so that
 its parallel loops can run on torch's threads, see :mod:`tvm_deform.launcher`) and kept in memory
 for the process. The disk cache key covers the workload, the target, the TVM and package
-versions, the thread pool and a digest of the definition and schedule sources, so a change to any of them misses the cache
-instead of loading a stale kernel.
+versions, the thread pool and a digest of the definition and schedule sources, so a change to
+any of them misses the cache instead of loading a stale kernel.
 """
 
 from __future__ import annotations
@@ -310,9 +310,7 @@ def get_kernel(shape: ConvShape, target: Target | None = None, tuned: bool | Non
     return _memoised(key, lambda: load_kernel(shape, target, resolve(shape, target, tuned)))
 
 
-def load_kernel(
-    shape: ConvShape, target: Target, record: logs.TunedRecord | None = None
-) -> Kernel:
+def load_kernel(shape: ConvShape, target: Target, record: logs.TunedRecord | None = None) -> Kernel:
     """The forward kernel of ``shape`` with ``record``'s schedule (None: the default), through
     the disk cache, not memoised (benchmarks use it to run schedules dispatch would not pick)."""
     schedule = "default" if record is None else record.identity
