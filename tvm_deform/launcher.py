@@ -142,7 +142,8 @@ def _build() -> Path:
     torch_dir = str(Path(torch.__file__).parent)
     key = "\n".join((torch.__version__, torch_dir, os.environ.get("CXX", "")))
     digest = hashlib.sha256(source + key.encode()).hexdigest()[:16]
-    directory = env.cache_dir() if env.cache_enabled() else Path(tempfile.mkdtemp())
+    # Beside the kernels, in a folder of its own (the kernel files are the cache's top level).
+    directory = env.cache_dir() / "launcher" if env.cache_enabled() else Path(tempfile.mkdtemp())
     path = directory / f"launcher-{digest}.so"
     if path.exists():
         return path

@@ -1,0 +1,346 @@
+"""Whole-model benchmark (tools layer): ResNet-50 with DCNv2 in stages c3-c5, as mmdetection's
+``r50`` DCNv2 backbone lays it out, run by torch with torchvision's op, with ours, and with a
+dense conv2d in place of each DCN; eager and under ``torch.compile``; and by ONNX Runtime and
+OpenVINO on the whole model. Every row is checked against torch + torchvision.
+
+The backbone: torchvision's ``resnet50`` (random init, eval mode) whose 3x3 conv in every
+bottleneck of ``layer2``-``layer4`` becomes a DCNv2 layer. Its offsets and mask come from a 3x3
+conv beside it on the same input (27 channels: 18 offsets, then 9 mask logits through a
+sigmoid), with the conv's stride, as mmdetection's ``ModulatedDeformConv2dPack`` does. The
+offset conv is initialised at random (not zero, as mmdetection does, which would make every
+sample a regular grid point) with a scale that gives offsets of a few pixels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .bench import Timing, measure, relative_error
+from .definition import ConvShape
+
+#: implementation name -> the deform_conv2d it calls (torchvision's imported lazily)
+IMPLEMENTATIONS = ("torchvision", "tvm_deform", "dense")
+
+
+def _deform_function(implementation: str) -> Callable[..., torch.Tensor]:
+    if implementation == "torchvision":
+        import torchvision.ops
+
+        return torchvision.ops.deform_conv2d
+    from .ops import deform_conv2d
+
+    return deform_conv2d
+
+
+class DCNv2(nn.Module):
+    """A 3x3 DCNv2 layer with its offset/mask conv, in place of ``conv`` (whose weight, stride,
+    padding and dilation it keeps). ``implementation`` picks torchvision's op, ours, or
+    ``"dense"``: the plain conv, no offsets (the ceiling)."""
+
+    def __init__(self, conv: nn.Conv2d, implementation: str, offset_std: float = 0.02):
+        super().__init__()
+        self.implementation = implementation
+        self.stride, self.padding, self.dilation = conv.stride, conv.padding, conv.dilation
+        self.weight = conv.weight
+        taps = conv.kernel_size[0] * conv.kernel_size[1]
+        self.offset_conv = nn.Conv2d(
+            conv.in_channels,
+            3 * taps,
+            conv.kernel_size,
+            conv.stride,
+            conv.padding,
+            conv.dilation,
+            bias=True,
+        )
+        nn.init.normal_(self.offset_conv.weight, std=offset_std)
+        nn.init.zeros_(self.offset_conv.bias)
+        self.taps = taps
+        self.deform = None if implementation == "dense" else _deform_function(implementation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.deform is None:
+            return nn.functional.conv2d(
+                x, self.weight, None, self.stride, self.padding, self.dilation
+            )
+        out = self.offset_conv(x)
+        offset, mask = out[:, : 2 * self.taps], out[:, 2 * self.taps :].sigmoid()
+        return self.deform(
+            x,
+            offset,
+            self.weight,
+            None,
+            stride=self.stride,
+            padding=self.padding,
+            dilation=self.dilation,
+            mask=mask,
+        )
+
+    def shape(self, x: torch.Tensor) -> ConvShape:
+        """The deformable convolution this layer runs on input ``x``."""
+        n, c, h, w = x.shape
+        return ConvShape(
+            n,
+            c,
+            h,
+            w,
+            self.weight.shape[0],
+            self.weight.shape[2],
+            self.weight.shape[3],
+            stride_h=self.stride[0],
+            stride_w=self.stride[1],
+            pad_h=self.padding[0],
+            pad_w=self.padding[1],
+            dilation_h=self.dilation[0],
+            dilation_w=self.dilation[1],
+        )
+
+
+def r50_dcnv2(implementation: str, seed: int = 0) -> nn.Module:
+    """ResNet-50 (torchvision's, random init, eval mode, without its classifier head) with DCNv2
+    in c3-c5. The same ``seed`` gives the same weights for every implementation."""
+    import torchvision
+
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    torch.manual_seed(seed)
+    model = torchvision.models.resnet50(weights=None)
+    model.fc = nn.Identity()
+    for stage in (model.layer2, model.layer3, model.layer4):
+        for block in stage:
+            # Created for every implementation, so that the random streams stay aligned.
+            block.conv2 = DCNv2(block.conv2, implementation)
+    return model.eval()
+
+
+def dcn_layers(model: nn.Module) -> dict[str, DCNv2]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, DCNv2)}
+
+
+# ONNX export: torchvision registers no ONNX symbolic for its op; this one emits the standard
+# DeformConv (opset 19). Its inputs are X, W, offset, B, mask; torchvision's op takes (input,
+# weight, offset, mask, bias, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups,
+# offset_groups, use_mask).
+def _deform_conv_symbolic(g, input, weight, offset, mask, bias, *params):
+    from torch.onnx import symbolic_helper
+
+    values = [symbolic_helper._get_const(p, "i", "") for p in params]
+    stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, groups, offset_groups, use_mask = values
+    kernel = symbolic_helper._get_tensor_sizes(weight)[2:]
+    inputs = [input, weight, offset, bias] + ([mask] if use_mask else [])
+    return g.op(
+        "DeformConv",
+        *inputs,
+        dilations_i=[dil_h, dil_w],
+        group_i=groups,
+        offset_group_i=offset_groups,
+        kernel_shape_i=kernel,
+        pads_i=[pad_h, pad_w, pad_h, pad_w],
+        strides_i=[stride_h, stride_w],
+    )
+
+
+def onnx_model(model: nn.Module, example: torch.Tensor) -> bytes:
+    """``model`` (the torchvision variant) exported to ONNX (opset 19, DeformConv)."""
+    import io
+
+    import torch.onnx
+
+    torch.onnx.register_custom_op_symbolic(
+        "torchvision::deform_conv2d", _deform_conv_symbolic, 19
+    )
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (example,), buffer, opset_version=19, dynamo=False)
+    return buffer.getvalue()
+
+
+def onnxruntime_runner(model: nn.Module, example: torch.Tensor, threads: int):
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    session = onnxruntime.InferenceSession(
+        onnx_model(model, example), options, providers=["CPUExecutionProvider"]
+    )
+    name = session.get_inputs()[0].name
+    return lambda x: torch.from_numpy(session.run(None, {name: x.numpy()})[0])
+
+
+def openvino_runner(model: nn.Module, example: torch.Tensor, threads: int):
+    import numpy as np
+    import openvino
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        converted = openvino.convert_model(model, example_input=example)
+    compiled = openvino.Core().compile_model(converted, "CPU", {"INFERENCE_NUM_THREADS": threads})
+    request = compiled.create_infer_request()
+    return lambda x: torch.from_numpy(np.asarray(request.infer([x.numpy()])[compiled.output(0)]))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRow:
+    implementation: str
+    timing: Timing | None
+    error: float | None  # against torch + torchvision (eager)
+    note: str = ""
+
+
+def _timed(fn: Callable[[], object], runs: int) -> Timing:
+    return measure(fn, warmup=2, min_runs=runs, min_seconds=1.0)
+
+
+def run(
+    size: int = 320,
+    batch: int = 1,
+    compiled: bool = True,
+    peers: tuple[str, ...] = ("onnxruntime", "openvino"),
+    runs: int = 10,
+    log: Callable[[str], None] = print,
+) -> list[ModelRow]:
+    """Time the backbone on a random ``batch x 3 x size x size`` input every way; see the
+    module docstring."""
+    threads = torch.get_num_threads()
+    x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1))
+    models = {name: r50_dcnv2(name) for name in IMPLEMENTATIONS}
+    rows: list[ModelRow] = []
+    with torch.inference_mode():
+        expected = models["torchvision"](x)
+        candidates: dict[str, Callable[[], torch.Tensor]] = {
+            f"torch + {name}" if name != "dense" else "torch + dense conv2d in place": (
+                lambda m=models[name]: m(x)
+            )
+            for name in IMPLEMENTATIONS
+        }
+    if compiled:
+        for name in IMPLEMENTATIONS:
+            label = "torch + dense conv2d in place" if name == "dense" else f"torch + {name}"
+            candidates[f"{label}, torch.compile"] = _compiled(models[name], x)
+    for peer in peers:
+        try:
+            runner = {"onnxruntime": onnxruntime_runner, "openvino": openvino_runner}[peer](
+                models["torchvision"], x, threads
+            )
+        except Exception as error:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
+            rows.append(ModelRow(peer, None, None, f"failed: {type(error).__name__}: {error}"))
+            continue
+        candidates[f"{peer} (whole model)"] = lambda r=runner: r(x)
+    for label, fn in candidates.items():
+        log(f"  {label} ...")
+        with torch.inference_mode():
+            out = fn()
+            dense = "dense" in label
+            error = None if dense else relative_error(out, expected)
+            rows.append(ModelRow(label, _timed(fn, runs), error))
+    return rows
+
+
+def _compiled(model: nn.Module, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    import torch._inductor.config as inductor_config
+
+    inductor_config.freezing = True
+    compiled = torch.compile(model)
+
+    def call() -> torch.Tensor:
+        with torch.inference_mode():
+            return compiled(x)
+
+    call()  # compile now, outside the timing
+    return call
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRow:
+    name: str
+    shape: ConvShape
+    in_model_ms: float
+    alone_ms: float
+
+
+def layers_in_model(size: int = 320, batch: int = 1, repeats: int = 10) -> list[LayerRow]:
+    """Each DCN layer's time inside the model (tvm_deform variant, eager: the op's own time,
+    between the model's torch ops) against the same layer alone on the same inputs."""
+    from .ops import deform_conv2d
+
+    model = r50_dcnv2("tvm_deform")
+    x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1))
+    inside: dict[str, list[float]] = {}
+    captured: dict[str, tuple] = {}
+
+    def timed_deform(name: str):
+        def deform(*args, **kwargs):
+            begin = time.perf_counter()
+            out = deform_conv2d(*args, **kwargs)
+            inside.setdefault(name, []).append(time.perf_counter() - begin)
+            captured[name] = (args, kwargs)
+            return out
+
+        return deform
+
+    layers = dcn_layers(model)
+    for name, layer in layers.items():
+        layer.deform = timed_deform(name)
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            model(x)
+        rows = []
+        for name, layer in layers.items():
+            args, kwargs = captured[name]
+            alone = measure(lambda a=args, k=kwargs: deform_conv2d(*a, **k), min_runs=repeats)
+            rows.append(
+                LayerRow(
+                    name,
+                    layer.shape(args[0]),
+                    statistics.median(inside[name][1:]) * 1e3,
+                    alone.median_ms,
+                )
+            )
+    return rows
+
+
+def model_table(rows: list[ModelRow]) -> str:
+    base = {r.implementation: r for r in rows}
+    tv = base.get("torch + torchvision")
+    dense = base.get("torch + dense conv2d in place")
+    lines = [
+        "| the whole model | median ms | p20-p80 | vs torch + torchvision | vs dense conv2d "
+        "| rel. error vs torchvision |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        if row.timing is None:
+            lines.append(f"| {row.implementation} | {row.note} | | | | |")
+            continue
+        t = row.timing
+        speedup = f"{tv.timing.median_ms / t.median_ms:.2f}x" if tv and tv.timing else ""
+        ratio = f"{t.median_ms / dense.timing.median_ms:.2f}x" if dense and dense.timing else ""
+        error = "" if row.error is None else f"{row.error:.1e}"
+        lines.append(
+            f"| {row.implementation} | {t.median_ms:.1f} | {t.p20_ms:.1f}-{t.p80_ms:.1f} "
+            f"| {speedup} | {ratio} | {error} |"
+        )
+    return "\n".join(lines)
+
+
+def layer_table(rows: list[LayerRow]) -> str:
+    lines = [
+        "| DCN layer | input | out | in the model ms | alone ms | ratio |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        s = r.shape
+        lines.append(
+            f"| {r.name} | {s.in_channels}x{s.height}x{s.width} stride {s.stride_h} "
+            f"| {s.out_channels}x{s.out_h}x{s.out_w} | {r.in_model_ms:.2f} | {r.alone_ms:.2f} "
+            f"| {r.in_model_ms / r.alone_ms:.2f} |"
+        )
+    return "\n".join(lines)
