@@ -34,12 +34,17 @@ from tvm_deform.definition import PIXEL_QUANTUM
 
 
 def vector_bytes(target: Target) -> int:
-    """Bytes in one SIMD register of the LLVM ``target`` (16 when LLVM cannot tell)."""
-    try:
-        bits = int(codegen.llvm_get_vector_width(target))
-    except Exception:  # noqa: BLE001 - not an LLVM target, or an LLVM without the query
-        bits = 128
-    return max(bits, 128) // 8
+    """Bytes in one SIMD register of the LLVM ``target``, from its instruction-set features
+    (LLVM's own ``llvm_get_vector_width`` answers 512 bits for every x86 target): 64 with
+    AVX-512, 32 with AVX, else 16 (SSE, NEON, and SVE scheduled as NEON)."""
+    if target.kind.name != "llvm":
+        return 16
+    if not str(target.attrs.get("mtriple", "x86_64")).startswith(("x86_64", "i686", "i386")):
+        return 16
+    for feature, size in (("avx512f", 64), ("avx", 32)):
+        if codegen.target_has_features(feature, target):
+            return size
+    return 16
 
 
 def lanes(target: Target, dtype: str) -> int:

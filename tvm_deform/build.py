@@ -17,7 +17,6 @@ import importlib
 import inspect
 import json
 import os
-import platform
 import shutil
 import struct
 import tempfile
@@ -33,7 +32,7 @@ import tvm
 from tvm import s_tir
 from tvm.target import Target, codegen
 
-from . import __version__, definition, env, launcher, logs
+from . import __version__, definition, env, hardware, launcher, logs
 from .definition import ConvShape
 from .schedules.cpu import DefaultCPU
 from .schedules.cpu_backward import DefaultCPUBackward, DefaultCPUGradInput
@@ -61,21 +60,26 @@ def host_cpu() -> str:
 def host_target() -> Target:
     """The LLVM target of this machine.
 
-    ``mcpu`` is the detected CPU; ``mtriple`` is the host's (the TVM wheel's own default triple
-    is its build machine's and makes LLVM reject ``-mcpu=native``); ``num-cores`` is the number
-    of logical cores, which MetaSchedule needs.
+    ``mcpu`` is LLVM's name of the CPU; ``mattr`` turns AVX-512 off when the CPU's own flags
+    lack it although that CPU model has it (see :mod:`tvm_deform.hardware`); ``mtriple`` is the
+    host's (the TVM wheel's own default triple is its build machine's and makes LLVM reject
+    ``-mcpu=native``); ``num-cores`` is the number of cores this process may use, which
+    MetaSchedule needs.
     """
-    arch = platform.machine() or "x86_64"
-    system = {"Linux": "linux-gnu", "Darwin": "apple-darwin"}.get(platform.system(), "unknown")
-    triple = f"{arch}-{system}"
-    return Target(
-        {
-            "kind": "llvm",
-            "mcpu": host_cpu(),
-            "mtriple": triple,
-            "num-cores": os.cpu_count() or 1,
-        }
-    )
+    cpu = hardware.detect()
+    attrs = {"kind": "llvm", "mcpu": host_cpu(), "mtriple": hardware.triple(cpu.machine)}
+    if cpu.machine == "x86_64" and cpu.isa != "avx512":
+        if codegen.target_has_features("avx512f", Target(attrs)):
+            attrs["mattr"] = ["-avx512f"]
+    return Target({**attrs, "num-cores": cpu.cores})
+
+
+def cpu_target(cpu: hardware.CPU) -> Target:
+    """An LLVM target for a CPU known only by its flags (another machine's, for
+    cross-compiling): its architecture's generic model at the CPU's vector ISA."""
+    mcpu, mattr = hardware.generic_llvm_cpu(cpu)
+    attrs = {"kind": "llvm", "mcpu": mcpu, "mtriple": hardware.triple(cpu.machine, "Linux")}
+    return Target({**attrs, **({"mattr": mattr} if mattr else {}), "num-cores": cpu.cores})
 
 
 #: what every CUDA target of ours declares besides its ``arch``: the limits that hold on every
@@ -100,7 +104,8 @@ def hardware_key(target: Target) -> str:
     attrs = target.attrs
     kind = target.kind.name
     if kind == "llvm":
-        return f"llvm/{attrs.get('mcpu', 'generic')}"
+        masked = "-avx512f" in [str(a) for a in attrs.get("mattr", [])]
+        return f"llvm/{attrs.get('mcpu', 'generic')}" + ("-noavx512" if masked else "")
     if kind == "cuda":
         return f"cuda/{attrs.get('arch', 'unknown')}"
     return kind
