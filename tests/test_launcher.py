@@ -124,9 +124,11 @@ THREAD_COUNT = textwrap.dedent(
 
 def run_python(code: str, tmp_path, **environment: str) -> subprocess.CompletedProcess:
     env = os.environ | {"TVM_DEFORM_CACHE_DIR": str(tmp_path), **environment}
-    return subprocess.run(
+    result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
     )
+    assert result.returncode == 0, result.stderr
+    return result
 
 
 def test_no_second_pool_is_started(tmp_path):

@@ -15,9 +15,9 @@ from conftest import assert_close
 from reference import deform_conv2d_reference
 from tvm.s_tir import meta_schedule as ms
 
-from tvm_deform import build, deform_conv2d, logs
-from tvm_deform.bench import conv_kwargs, random_inputs
+from tvm_deform import build, deform_conv2d, dispatch, logs
 from tvm_deform.definition import ConvShape
+from tvm_deform.inputs import conv_kwargs, random_inputs
 from tvm_deform.suite import load_suite
 from tvm_deform.tuning import count_records, tune
 
@@ -221,3 +221,86 @@ def test_suite_has_the_layers_users_run():
     assert any(s.stride_h == 2 for s in suite.values())
     assert any(s.weight_groups > 1 for s in suite.values())
     assert torch.tensor([s.in_channels for s in suite.values()]).max() == 512
+
+
+def foreign_logs(out, tmp_path, isa: str | None = None):
+    """The smoke tune's logs (default schedule's measurement included) moved under another
+    machine's hardware key, whose manifest says it had ``isa`` (default: this machine's)."""
+    target = build.host_target()
+    copy = tmp_path / "logs"
+    shutil.copytree(out / build.hardware_key(target), copy / "llvm" / "elsewhere")
+    path = copy / "llvm" / "elsewhere" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest.update(hardware_key="llvm/elsewhere", isa=isa or build.target_isa(target))
+    path.write_text(json.dumps(manifest))
+    return copy
+
+
+@pytest.fixture
+def counted_measure(monkeypatch):
+    """Counts the timings dispatch runs (and runs them)."""
+    calls = []
+    measure = dispatch.measure
+
+    def counted(shape, target, op, options):
+        calls.append(sorted(options))
+        return measure(shape, target, op, options)
+
+    monkeypatch.setattr(dispatch, "measure", counted)
+    return calls
+
+
+def test_other_machines_records_are_timed_here_and_the_decision_kept(
+    tuned, tmp_path, monkeypatch, counted_measure
+):
+    *_, out = tuned
+    target = build.host_target()
+    monkeypatch.setenv("TVM_DEFORM_LOGS", str(foreign_logs(out, tmp_path)))
+    monkeypatch.setenv("TVM_DEFORM_CACHE_DIR", str(tmp_path / "cache"))
+    # The foreign logs hold their default schedule's measurement too: it is not trusted here.
+    record = build.resolve(TINY, target)
+    assert counted_measure == [["default", "llvm/elsewhere/handwritten"]]
+    (entry,) = dispatch.read_decisions(target).values()
+    assert entry["choice"] == dispatch.option_name(record)
+    assert set(entry["median_ms"]) == {"default", "llvm/elsewhere/handwritten"}
+    check_against_reference(TINY)
+    # Another process (here: a fresh lookup) takes the decision from disk, without timing.
+    build.clear_memory_cache()
+    again = build.resolve(TINY, target)
+    assert dispatch.option_name(again) == entry["choice"] and len(counted_measure) == 1
+    # The file decides: flip the choice and the lookup follows it.
+    flipped = "default" if entry["choice"] != "default" else "llvm/elsewhere/handwritten"
+    path = dispatch.decisions_path(target)
+    path.write_text(path.read_text().replace(f'"{entry["choice"]}"', f'"{flipped}"', 1))
+    assert dispatch.option_name(build.resolve(TINY, target)) == flipped
+    assert len(counted_measure) == 1
+
+
+def test_measuring_can_be_turned_off(tuned, tmp_path, monkeypatch, counted_measure):
+    *_, out = tuned
+    monkeypatch.setenv("TVM_DEFORM_LOGS", str(foreign_logs(out, tmp_path)))
+    monkeypatch.setenv("TVM_DEFORM_MEASURE", "0")
+    assert build.resolve(TINY, build.host_target()) is None
+    assert counted_measure == []
+
+
+def test_records_of_another_isa_are_not_candidates(tuned, tmp_path, monkeypatch, counted_measure):
+    *_, out = tuned
+    other = "avx2" if build.target_isa(build.host_target()) != "avx2" else "avx512"
+    monkeypatch.setenv("TVM_DEFORM_LOGS", str(foreign_logs(out, tmp_path, isa=other)))
+    assert logs.foreign_records(TINY, build.host_target(), "llvm/here") == []
+    assert build.resolve(TINY, build.host_target()) is None
+    assert counted_measure == []
+
+
+def test_own_logs_decide_without_timing(tuned, tmp_path, monkeypatch, counted_measure):
+    *_, out = tuned
+    logs_dir = foreign_logs(out, tmp_path)
+    shutil.copytree(out, logs_dir, dirs_exist_ok=True)  # this machine's own key beside it
+    monkeypatch.setenv("TVM_DEFORM_LOGS", str(logs_dir))
+    record = build.resolve(TINY, build.host_target())
+    own = logs.fastest(
+        logs.own_records(TINY, build.host_target(), build.hardware_key(build.host_target()))
+    )
+    assert dispatch.option_name(record) == dispatch.option_name(own)
+    assert counted_measure == []

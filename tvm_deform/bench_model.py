@@ -152,9 +152,7 @@ def onnx_model(model: nn.Module, example: torch.Tensor) -> bytes:
 
     import torch.onnx
 
-    torch.onnx.register_custom_op_symbolic(
-        "torchvision::deform_conv2d", _deform_conv_symbolic, 19
-    )
+    torch.onnx.register_custom_op_symbolic("torchvision::deform_conv2d", _deform_conv_symbolic, 19)
     buffer = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -121,7 +121,7 @@ def workload_key(shape: ConvShape, target: Target) -> str:
 
 
 @functools.cache
-def _source_digest() -> str:
+def source_digest() -> str:
     """Digest of the sources that decide what a kernel computes and how it is scheduled."""
     digest = hashlib.sha256()
     for source in (definition, DefaultCPU, DefaultCPUBackward, DefaultCUDA):
@@ -143,7 +143,7 @@ def cache_path(
             schedule,
             tvm.__version__,
             __version__,
-            _source_digest(),
+            source_digest(),
             f"pool {pool}",
         )
     )
@@ -158,10 +158,35 @@ def resolve(
     shape: ConvShape, target: Target, tuned: bool | None = None, op: str = "forward"
 ) -> logs.TunedRecord | None:
     """The tuned record ``shape``'s ``op`` runs with on ``target``, or None for the default
-    schedule. ``tuned=None`` follows ``TVM_DEFORM_TUNED``; False always means the default."""
+    schedule. ``tuned=None`` follows ``TVM_DEFORM_TUNED``; False always means the default.
+
+    The logs of ``target``'s own hardware key decide by their own measurements. Without them,
+    the records of compatible machines are timed here against the default schedule (once per
+    shape; the decision is kept on disk, see :mod:`tvm_deform.dispatch`), unless
+    ``TVM_DEFORM_MEASURE=0``, which then runs the default."""
     if not (env.tuned_enabled() if tuned is None else tuned):
         return None
-    return logs.find_record(shape, target, hardware_key(target), op)
+    key = hardware_key(target)
+    own = logs.own_records(shape, target, key, op)
+    if own:
+        return logs.fastest(own)
+    candidates = logs.foreign_records(shape, target, key, op)
+    if not candidates or not env.measure_enabled():
+        return None
+    from . import dispatch  # times kernels through the op, which imports this module
+
+    return dispatch.pick(shape, target, op, candidates)
+
+
+def target_isa(target: Target) -> str:
+    """The vector ISA an LLVM ``target`` compiles for (avx512, avx2, avx, sse, sve, neon)."""
+    triple = str(target.attrs.get("mtriple", "x86_64"))
+    if triple.startswith(("aarch64", "arm64")):
+        return "sve" if codegen.target_has_features("sve", target) else "neon"
+    for feature, isa in (("avx512f", "avx512"), ("avx2", "avx2"), ("avx", "avx")):
+        if codegen.target_has_features(feature, target):
+            return isa
+    return "sse"
 
 
 def default_schedule(shape: ConvShape, target: Target, op: str = "forward") -> s_tir.Schedule:
@@ -334,16 +359,23 @@ def get_backward(
     tuned = env.tuned_enabled() if tuned is None else tuned
 
     def load() -> BackwardKernels:
-        record = resolve(shape, target, tuned, "backward")
-        schedule = "default" if record is None else record.identity
-        module = _load_module(
-            cache_path(shape, target, schedule, op="backward"),
-            lambda: compile_backward(shape, target, record),
-        )
-        return BackwardKernels(module["deform_conv2d_backward"], module["deform_conv2d_grad_input"])
+        return load_backward(shape, target, resolve(shape, target, tuned, "backward"))
 
     key = ("backward", shape, str(target), tuned, env.user_logs_dir(), env.launcher_enabled())
     return _memoised(key, load)
+
+
+def load_backward(
+    shape: ConvShape, target: Target, record: logs.TunedRecord | None = None
+) -> BackwardKernels:
+    """The backward kernels of ``shape`` with ``record``'s schedule for the gradients kernel
+    (None: the default), through the disk cache, not memoised."""
+    schedule = "default" if record is None else record.identity
+    module = _load_module(
+        cache_path(shape, target, schedule, op="backward"),
+        lambda: compile_backward(shape, target, record),
+    )
+    return BackwardKernels(module["deform_conv2d_backward"], module["deform_conv2d_grad_input"])
 
 
 #: set once a CPU kernel runs on TVM's own thread pool (launcher off or unavailable, or a kernel

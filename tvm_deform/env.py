@@ -55,6 +55,13 @@ def launcher_enabled() -> bool:
     return _flag("TVM_DEFORM_LAUNCHER", True)
 
 
+def measure_enabled() -> bool:
+    """``TVM_DEFORM_MEASURE=0``: never time candidate schedules at a shape's first use; without
+    tuning logs of this machine's own, the default schedule runs (see
+    :mod:`tvm_deform.dispatch`)."""
+    return _flag("TVM_DEFORM_MEASURE", True)
+
+
 def user_logs_dir() -> Path | None:
     """``TVM_DEFORM_LOGS``: a tuning-log directory (laid out like ``tuning_logs/``) searched
     before the shipped logs."""
@@ -67,6 +74,7 @@ VARIABLES = {
     "TVM_DEFORM_CACHE": "0 turns the on-disk kernel cache off",
     "TVM_DEFORM_CACHE_DIR": "directory of the on-disk kernel cache",
     "TVM_DEFORM_LAUNCHER": "0 runs CPU kernels on TVM's thread pool, not torch's threads",
+    "TVM_DEFORM_MEASURE": "0: no timing of other machines' records here (default schedule)",
     "TVM_DEFORM_LOGS": "tuning-log directory searched before the shipped logs",
     "TVM_DEFORM_TUNED": "0 ignores all tuning logs (default schedules only)",
     "TVM_NUM_THREADS": "size of TVM's CPU thread pool (set to all cores by tvm_deform)",

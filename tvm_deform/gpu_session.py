@@ -43,8 +43,9 @@ from pathlib import Path
 import torch
 
 from . import __version__, build, deform_conv2d
-from .bench import conv_kwargs, random_inputs, relative_error
+from .bench import relative_error
 from .definition import ConvShape
+from .inputs import conv_kwargs, random_inputs
 from .suite import load_suite
 
 #: norm-relative error allowed against torchvision, per dtype (float32 against float32,

@@ -3,10 +3,13 @@
 The fallback chain, first match wins:
 
 1. the user's log directory (``TVM_DEFORM_LOGS``), then the shipped ``tuning_logs``;
-2. in each, the exact hardware key (``llvm/znver4``), then a compatible one (another CPU of
-   the same target kind with the same vector width, from its manifest);
-3. within a hardware key, the fastest record over the design spaces found there, unless the
-   default schedule's own measurement there (``DEFAULT_SPACE``) is faster;
+2. in each, the exact hardware key (``llvm/znver4``): the fastest record over the design spaces
+   found there, unless the default schedule's own measurement there (``DEFAULT_SPACE``) is
+   faster; these were measured on this kind of machine, so their decision is taken;
+3. no logs of this machine's own: the best record of each compatible hardware key (same target
+   kind, architecture and vector ISA, from its manifest, see :mod:`tvm_deform.hardware`) is a
+   candidate, timed on this machine against the default schedule by :mod:`tvm_deform.dispatch`;
+   another machine's decision is never taken as if measured here;
 4. no record: the default schedule.
 
 A missing or corrupt log directory is skipped with a warning, never an exception.
@@ -91,21 +94,31 @@ def _manifest(key_dir: Path) -> dict:
         return {}
 
 
-def _vector_bits(target: Target) -> int:
-    from .schedules.cpu import vector_bytes
-
-    return vector_bytes(target) * 8
+def manifest_isa(manifest: dict) -> str | None:
+    """The vector ISA a manifest's machine had (older manifests name only the vector width)."""
+    if "isa" in manifest:
+        return manifest["isa"]
+    target = str(manifest.get("target", ""))
+    if "x86_64" in target:
+        return {512: "avx512", 256: "avx2"}.get(manifest.get("vector_bits"))
+    return None
 
 
 def candidate_keys(root: Path, target: Target, hardware_key: str) -> list[str]:
-    """The hardware keys to try under ``root``: the exact one, then compatible ones."""
+    """The hardware keys to look at under ``root``: the exact one, then compatible ones (same
+    target kind, architecture and vector ISA)."""
+    from .build import target_isa
+
     keys = [hardware_key]
     kind_dir = root / target.kind.name
     if target.kind.name == "llvm" and kind_dir.is_dir():
-        bits = _vector_bits(target)
+        isa = target_isa(target)
+        arch = str(target.attrs.get("mtriple", "")).split("-")[0]
         for other in sorted(kind_dir.iterdir()):
             key = f"{target.kind.name}/{other.name}"
-            if key != hardware_key and _manifest(other).get("vector_bits") == bits:
+            manifest = _manifest(other)
+            same_arch = arch in str(manifest.get("target", ""))
+            if key != hardware_key and same_arch and manifest_isa(manifest) == isa:
                 keys.append(key)
     return keys
 
@@ -161,17 +174,49 @@ def find_records(
     return []
 
 
-def find_record(
-    shape: ConvShape, target: Target, hardware_key: str, op: str = "forward"
-) -> TunedRecord | None:
-    """The tuned record ``shape``'s ``op`` resolves to on ``target``: the fastest of
-    :func:`find_records` (see the module docstring); None when there is none, or when the
-    fastest is the default schedule's own measurement."""
-    found = find_records(shape, target, hardware_key, op=op)
+def fastest(found: list[TunedRecord]) -> TunedRecord | None:
+    """The fastest of one hardware key's records by their tuning-time measurement; None when
+    that is the default schedule's own."""
     if not found:
         return None
     best = min(found, key=lambda r: float("inf") if r.run_ms is None else r.run_ms)
     return None if best.space == DEFAULT_SPACE else best
+
+
+def own_records(
+    shape: ConvShape, target: Target, hardware_key: str, op: str = "forward"
+) -> list[TunedRecord]:
+    """The records (one per design space, the default's measurement included) that the logs of
+    ``hardware_key`` itself hold for ``shape``'s ``op``, from the first log root that has any."""
+    for root in log_roots():
+        found = find_records(shape, target, hardware_key, roots=[root], op=op)
+        if found and found[0].hardware_key == hardware_key:
+            return found
+    return []
+
+
+def foreign_records(
+    shape: ConvShape, target: Target, hardware_key: str, op: str = "forward"
+) -> list[TunedRecord]:
+    """The best tuned record (over the design spaces, the default's measurement left out) of
+    each compatible hardware key other than ``hardware_key``, in every log root: the candidates
+    to time on this machine."""
+    mod = workload_module(shape, op)
+    found = []
+    for root in log_roots():
+        if not root.is_dir():
+            continue
+        for key in candidate_keys(root, target, hardware_key)[1:]:
+            records = []
+            for space_dir in sorted(p for p in (root / key).iterdir() if p.is_dir()):
+                record = best_in(space_dir, mod) if space_dir.name != DEFAULT_SPACE else None
+                if record is not None:
+                    records.append(
+                        TunedRecord(space_dir, key, space_dir.name, record_ms(record), record)
+                    )
+            if records:
+                found.append(min(records, key=lambda r: r.run_ms or float("inf")))
+    return found
 
 
 def tuned_schedule(shape: ConvShape, record: TunedRecord, op: str = "forward") -> s_tir.Schedule:

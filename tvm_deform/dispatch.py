@@ -1,0 +1,149 @@
+"""Measured dispatch (build and dispatch layer): on a machine without tuning logs of its own,
+which schedule a shape runs is decided by timing, here, the default schedule against the best
+record of each compatible machine's logs.
+
+Another machine's choice between its tuned records and its default schedule says little about
+this one (on a Zen 1, the record a Zen 4 had rejected ran 1.7x faster than the default it had
+kept). So at a shape's first use the candidates are compiled (through the kernel cache) and run
+through the op's own calling path on random inputs of the shape, in interleaved rounds, and
+the median decides. The decision is written to ``<kernel cache>/decisions/<hardware key>.json``
+so that later processes take it without timing; it names the candidates it chose among, the
+package and TVM versions and the schedule sources, and a change to any of them times again.
+
+The timing is short: each candidate runs about ``BUDGET_SECONDS / candidates`` (at least
+``MIN_RUNS`` runs), so the first call of a shape takes a second or two more than compiling.
+``TVM_DEFORM_MEASURE=0`` turns it off (the default schedule runs); ``tvm-deform tune`` writes
+logs of this machine's own, which then decide without timing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tvm.target import Target
+
+from . import __version__, build, env, logs
+from .definition import ConvShape
+from .inputs import random_inputs
+
+#: total seconds of timing per shape and op, shared by the candidates
+BUDGET_SECONDS = 1.0
+#: runs per candidate at least, whatever the budget
+MIN_RUNS = 3
+
+_lock = threading.Lock()
+
+
+def decisions_path(target: Target) -> Path:
+    return env.cache_dir() / "decisions" / (build.hardware_key(target).replace("/", "_") + ".json")
+
+
+def _digest(shape: ConvShape, target: Target, op: str, options: dict) -> str:
+    text = "\n".join(
+        [
+            build.workload_key(shape, target),
+            op,
+            __version__,
+            build.tvm.__version__,
+            build.source_digest(),
+            *sorted(f"{name}={'' if r is None else r.identity}" for name, r in options.items()),
+        ]
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def read_decisions(target: Target) -> dict:
+    try:
+        return json.loads(decisions_path(target).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_decision(target: Target, digest: str, entry: dict) -> None:
+    path = decisions_path(target)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        decisions = read_decisions(target) | {digest: entry}
+        handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(handle, "w") as file:
+            json.dump(decisions, file, indent=1, sort_keys=True)
+        os.replace(temporary, path)
+    except OSError:
+        pass  # a decision that cannot be kept is timed again next time
+
+
+def option_name(record: logs.TunedRecord | None) -> str:
+    return "default" if record is None else f"{record.hardware_key}/{record.space}"
+
+
+def pick(
+    shape: ConvShape, target: Target, op: str, candidates: list[logs.TunedRecord]
+) -> logs.TunedRecord | None:
+    """The fastest here of the default schedule (None) and ``candidates`` for ``shape``'s
+    ``op``: from the decision on disk, else timed now and written there."""
+    options: dict[str, logs.TunedRecord | None] = {"default": None}
+    options |= {option_name(r): r for r in candidates}
+    digest = _digest(shape, target, op, options)
+    with _lock:
+        stored = read_decisions(target).get(digest) if env.cache_enabled() else None
+        if stored and stored.get("choice") in options:
+            return options[stored["choice"]]
+        times = measure(shape, target, op, options)
+        choice = min(times, key=times.__getitem__)
+        if env.cache_enabled():
+            entry = {
+                "choice": choice,
+                "median_ms": {name: round(ms, 4) for name, ms in times.items()},
+                "op": op,
+                "shape": build.workload_key(shape, target),
+                "date": datetime.date.today().isoformat(),
+            }
+            _write_decision(target, digest, entry)
+    return options[choice]
+
+
+def measure(
+    shape: ConvShape, target: Target, op: str, options: dict[str, logs.TunedRecord | None]
+) -> dict[str, float]:
+    """Median milliseconds of each option's kernel(s) for ``shape``'s ``op`` on random inputs,
+    called as the op calls them, in interleaved rounds."""
+    runs = {name: _runner(shape, target, op, record) for name, record in options.items()}
+    for run in runs.values():
+        run()  # warm up (and fault in the library's pages)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    deadline = time.perf_counter() + BUDGET_SECONDS
+    while min(len(t) for t in times.values()) < MIN_RUNS or time.perf_counter() < deadline:
+        for name, run in runs.items():
+            begin = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - begin)
+        if min(len(t) for t in times.values()) >= 100:
+            break
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def _runner(
+    shape: ConvShape, target: Target, op: str, record: logs.TunedRecord | None
+) -> Callable[[], object]:
+    from . import ops  # the binding layer's calling path (argument layout, threads)
+
+    args = random_inputs(shape)
+    x, offset, weight, bias, mask = (args[k] for k in ("input", "offset", "weight", "bias", "mask"))
+    if op == "forward":
+        kernel = build.load_kernel(shape, target, record)
+        return lambda: ops.run_forward(shape, x, offset, weight, bias, mask, kernel)
+    kernels = build.load_backward(shape, target, record)
+    grad_output = torch.randn(
+        shape.batch, shape.out_channels, shape.out_h, shape.out_w, dtype=x.dtype
+    )
+    return lambda: ops.run_backward_cpu(shape, grad_output, x, offset, weight, mask, kernels)
