@@ -224,7 +224,16 @@ def run_tune(args: argparse.Namespace) -> int:
         f"{args.trials} trials each, for {build.hardware_key(target)}; work directory "
         f"{args.work_dir}"
     )
-    tune(workloads, args.trials, args.work_dir, spaces, target, logs_dir, ops=ops)
+    tune(
+        workloads,
+        args.trials,
+        args.work_dir,
+        spaces,
+        target,
+        logs_dir,
+        ops=ops,
+        transfer=not args.no_transfer,
+    )
     if logs_dir is not None:
         print(f"pruned logs written to {Path(logs_dir) / build.hardware_key(target)}")
     return 0
@@ -316,6 +325,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune.add_argument("--work-dir", default="work/tune", help="full tuning databases (resumed)")
     tune.add_argument("--logs-dir", help="where pruned logs go (default: the shipped logs)")
     tune.add_argument("--no-write-logs", action="store_true", help="keep results in work dir")
+    tune.add_argument(
+        "--no-transfer",
+        action="store_true",
+        help="do not start from the records of other machines' logs (same ISA)",
+    )
     cmp = sub.add_parser("compare", help="schedules vs torchvision, peers and dense conv2d")
     cmp.add_argument("--quick", action="store_true", help="two layers, about a minute")
     cmp.add_argument("--suite", help="a suite JSON file instead of the shipped one")

@@ -25,6 +25,7 @@ import multiprocessing
 import os
 import platform
 import shutil
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from tvm.target import Target
 
 from . import __version__, build
 from .definition import ConvShape
-from .logs import DEFAULT_SPACE, OPS, record_ms, workload_module
+from .logs import DEFAULT_SPACE, OPS, best_in, candidate_keys, log_roots, record_ms, workload_module
 from .schedules.cpu import HandwrittenSpace, vector_bytes
 from .schedules.cpu_backward import BackwardSpace
 
@@ -128,15 +129,22 @@ def _tune_task(
     )
 
 
-def _measure_defaults_task(
-    kernels: list[tuple[ConvShape, str]], target_json: str, directory: str
-) -> None:
-    """Measure each (shape, op) kernel under its default schedule with the builder and runner
-    the tuning uses (one batch, so the builder's set-up is paid once), and commit the times to
-    the database at ``directory``; runs in a child process. A kernel whose build or run fails
-    is reported and skipped."""
+def _measure_task(items: list[tuple[ConvShape, str, str, str | None]], target_json: str) -> None:
+    """Measure each ``(shape, op, directory, source)`` with the builder and runner the tuning
+    uses (one batch, so the builder's set-up is paid once) and commit the time to the database
+    at ``directory``. ``source`` is another machine's database directory, whose best record of
+    the kernel is measured, or None for the kernel's default schedule. Runs in a child process.
+    A schedule whose build or run fails is reported and skipped."""
     target = Target(json.loads(target_json))
-    schedules = [build.default_schedule(shape, target, op) for shape, op in kernels]
+    schedules = []
+    for shape, op, _, source in items:
+        if source is None:
+            schedules.append(build.default_schedule(shape, target, op))
+            continue
+        mod = workload_module(shape, op)
+        sch = tvm.s_tir.Schedule(mod)
+        best_in(Path(source), mod).trace.apply_to_schedule(sch, remove_postproc=False)
+        schedules.append(sch)
     builder = ms.builder.LocalBuilder(timeout_sec=300, initializer=_builder_initializer)
     built = builder.build([ms.builder.BuilderInput(sch.mod, target) for sch in schedules])
     infos = [ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"]) for sch in schedules]
@@ -145,17 +153,17 @@ def _measure_defaults_task(
     inputs, measured = [], []
     for index, result in enumerate(built):
         if result.error_msg:
-            print(f"building the default schedule failed: {result.error_msg}", flush=True)
+            print(f"building a schedule failed: {result.error_msg}", flush=True)
             continue
         inputs.append(ms.runner.RunnerInput(result.artifact_path, device, infos[index]))
         measured.append(index)
-    db = database(Path(directory))
     for index, future in zip(measured, runner.run(inputs), strict=True):
         result = future.result()
         if result.error_msg:
-            print(f"running the default schedule failed: {result.error_msg}", flush=True)
+            print(f"running a schedule failed: {result.error_msg}", flush=True)
             continue
-        shape, op = kernels[index]
+        shape, op, directory, _ = items[index]
+        db = database(Path(directory))
         workload = db.commit_workload(workload_module(shape, op))
         db.commit_tuning_record(
             ms.database.TuningRecord(
@@ -192,12 +200,19 @@ def tune(
     progress=print,
     ops: Iterable[str] = ("forward",),
     measure_default: bool = True,
+    transfer: bool = True,
 ) -> list[TaskResult]:
     """Tune every workload's ``ops`` kernels in every space for ``trials`` more trials,
-    resuming from ``work_dir`` (``trials=0`` tunes nothing); with ``measure_default``, also
-    measure each kernel's default schedule the same way, into the ``default`` database, so
-    that dispatch uses a tuned record only where it beat the default; then, if ``logs_dir``
-    is given, write the pruned logs there."""
+    resuming from ``work_dir`` (``trials=0`` tunes nothing); then, if ``logs_dir`` is given,
+    write the pruned logs there.
+
+    Before the search, one batch measures on this machine, with the tuning's own builder and
+    runner: with ``measure_default``, each kernel's default schedule (into the ``default``
+    database, so that dispatch uses a tuned record only where it beat the default); with
+    ``transfer``, where the work directory has no record of a kernel in a space yet, the best
+    record of that space in the logs of each compatible hardware key (another machine's), into
+    that space's database. The search then starts from them, and its result is never slower
+    than what the other machines found, as measured here."""
     target = target or build.host_target()
     key = build.hardware_key(target)
     results = []
@@ -208,71 +223,128 @@ def tune(
     for space in spaces:
         for op in ops:
             _space_generator(space, op, target)  # reject an unknown space or op before any work
-    for name, op in tasks:
+    started = time.monotonic()
+    batch = _first_measurements(
+        workloads, tasks, spaces, target, Path(work_dir), measure_default, transfer
+    )
+    if batch:
+        progress(f"measuring {len(batch)} schedule(s) here first (default, other machines' best)")
+        items = [item[1:] for item in batch]
+        _run_in_child(context, _measure_task, (items, str(target)), "measuring", progress)
+        for name, shape, op, directory, source in batch:
+            found = records(Path(directory), shape, op)
+            what = "default schedule" if source is None else f"from {source}"
+            time_here = f"{record_ms(found[0]):.3f} ms" if found else "no measurement"
+            progress(f"[{label(name, op)} / {Path(directory).name}] {what}: best {time_here} here")
+    runs = [
+        (name, op, space)
+        for name, op in tasks
+        for space in spaces
+        if space in spaces_for(target, op) and trials > 0
+    ]
+    tuning_started = time.monotonic()
+    for done, (name, op, space) in enumerate(runs):
         shape = workloads[name]
         task = label(name, op)
-        for space in (s for s in spaces if s in spaces_for(target, op) and trials > 0):
-            directory = Path(work_dir) / key / space
-            before = count_records(directory, shape, op)
-            progress(f"[{task} / {space}] tuning {trials} trials ({before} already done)")
-            for attempt in range(2):
-                process = context.Process(
-                    target=_tune_task,
-                    args=(
-                        name,
-                        shape,
-                        space,
-                        str(target),  # a Target prints as its JSON config
-                        trials,
-                        str(directory),
-                        op,
-                    ),
-                )
-                process.start()
-                process.join()
-                if process.exitcode == 0:
-                    break
-                progress(
-                    f"[{task} / {space}] tuning process exited with {process.exitcode}; "
-                    + ("retrying" if attempt == 0 else "giving up on this task")
-                )
-            found = records(directory, shape, op)
-            best_ms = record_ms(found[0]) if found else None
-            result = TaskResult(
-                task,
-                space,
-                len(found),
-                best_ms,
-                # The backward kernel does two GEMMs of the forward's size.
-                None
-                if best_ms is None
-                else shape.gemm_flops * (2 if op == "backward" else 1) / best_ms / 1e6,
-            )
-            results.append(result)
-            best = (
-                "no valid record"
-                if best_ms is None
-                else (f"best {result.best_ms:.3f} ms, {result.gflops:.0f} GFLOP/s")
-            )
-            progress(f"[{task} / {space}] {result.trials} trials in the database, {best}")
-    measured = [(name, op) for name, op in tasks if spaces_for(target, op)]
-    if measure_default and measured:
-        directory = Path(work_dir) / key / DEFAULT_SPACE
-        progress(f"measuring the default schedules of {len(measured)} kernel(s)")
-        process = context.Process(
-            target=_measure_defaults_task,
-            args=([(workloads[name], op) for name, op in measured], str(target), str(directory)),
+        directory = Path(work_dir) / key / space
+        before = count_records(directory, shape, op)
+        progress(
+            f"[{task} / {space}] tuning {trials} trials ({before} already done); "
+            + _clock(started, tuning_started, done, len(runs))
         )
-        process.start()
-        process.join()
-        for name, op in measured:
-            found = records(directory, workloads[name], op)
-            fastest = f"{record_ms(found[0]):.3f} ms" if found else "no measurement"
-            progress(f"[{label(name, op)} / {DEFAULT_SPACE}] default schedule: {fastest}")
+        _run_in_child(
+            context,
+            _tune_task,
+            (name, shape, space, str(target), trials, str(directory), op),
+            f"[{task} / {space}] tuning",
+            progress,
+        )
+        found = records(directory, shape, op)
+        best_ms = record_ms(found[0]) if found else None
+        result = TaskResult(
+            task,
+            space,
+            len(found),
+            best_ms,
+            # The backward kernel does two GEMMs of the forward's size.
+            None
+            if best_ms is None
+            else shape.gemm_flops * (2 if op == "backward" else 1) / best_ms / 1e6,
+        )
+        results.append(result)
+        best = (
+            "no valid record"
+            if best_ms is None
+            else (f"best {result.best_ms:.3f} ms, {result.gflops:.0f} GFLOP/s")
+        )
+        progress(f"[{task} / {space}] {result.trials} trials in the database, {best}")
+    progress(f"done in {_minutes(time.monotonic() - started)}")
     if logs_dir is not None:
         kept = [*spaces, DEFAULT_SPACE] if measure_default else spaces
         write_pruned_logs(work_dir, logs_dir, workloads, kept, target, ops)
     return results
+
+
+def _first_measurements(
+    workloads: dict[str, ConvShape],
+    tasks: list[tuple[str, str]],
+    spaces: list[str],
+    target: Target,
+    work_dir: Path,
+    measure_default: bool,
+    transfer: bool,
+) -> list[tuple[str, ConvShape, str, str, str | None]]:
+    """The ``(name, *item)`` of each item of :func:`_measure_task` a tuning run starts with
+    (see :func:`tune`)."""
+    key = build.hardware_key(target)
+    batch = []
+    for name, op in tasks:
+        shape = workloads[name]
+        if not spaces_for(target, op):
+            continue
+        if measure_default:
+            batch.append((name, shape, op, str(work_dir / key / DEFAULT_SPACE), None))
+        if not transfer:
+            continue
+        mod = workload_module(shape, op)
+        for space in (s for s in spaces if s in spaces_for(target, op)):
+            if count_records(work_dir / key / space, shape, op):
+                continue  # resuming: the search starts from this machine's own records
+            for root in log_roots():
+                for other in candidate_keys(root, target, key)[1:]:
+                    source = root / other / space
+                    if best_in(source, mod) is not None:
+                        batch.append((name, shape, op, str(work_dir / key / space), str(source)))
+    return batch
+
+
+def _run_in_child(context, function, args: tuple, what: str, progress) -> None:
+    """Run ``function(*args)`` in a child process, retried once if it crashes (MetaSchedule has
+    been seen to segfault while setting up; records already written survive)."""
+    for attempt in range(2):
+        process = context.Process(target=function, args=args)
+        process.start()
+        process.join()
+        if process.exitcode == 0:
+            return
+        progress(
+            f"{what}: process exited with {process.exitcode}; "
+            + ("retrying" if attempt == 0 else "giving up on this task")
+        )
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
+
+
+def _clock(started: float, tuning_started: float, done: int, total: int) -> str:
+    """Elapsed time, and an estimate of the time left from the tuning tasks done so far."""
+    now = time.monotonic()
+    text = f"{_minutes(now - started)} elapsed"
+    if done:
+        left = (now - tuning_started) / done * (total - done)
+        text += f", about {_minutes(left)} left"
+    return text + f" (task {done + 1} of {total})"
 
 
 def _cpu_model() -> str:
@@ -357,6 +429,7 @@ def write_pruned_logs(
             "target": str(target),
             "cpu": _cpu_model(),
             "vector_bits": vector_bytes(target) * 8,
+            "isa": build.target_isa(target),
             "tuning_threads": int(target.attrs.get("num-cores", os.cpu_count() or 1)),
             "tvm_version": tvm.__version__,
             "tvm_deform_version": __version__,
