@@ -169,38 +169,48 @@ def run_compare(args: argparse.Namespace) -> int:
 def run_info(args: argparse.Namespace) -> int:
     import tvm
 
-    from . import logs
+    from . import dispatch, hardware, launcher, logs
 
+    cpu = hardware.detect()
     target = build.host_target()
     key = build.hardware_key(target)
     print(f"tvm_deform {__version__}  (TVM {tvm.__version__}, torch {torch.__version__})")
+    print(f"CPU:           {cpu.model} ({cpu.machine}), {cpu.cores} cores for this process")
+    print(f"vector ISA:    {cpu.isa}, {cpu.vector_bits}-bit vectors ({cpu.reason})")
+    caches = ", ".join(f"{name} {size // 1024} KiB" for name, size in cpu.caches.items())
+    print(f"caches:        {caches or 'unknown'}")
+    print(f"LLVM CPU:      {build.host_cpu()}")
     print(f"host target:   {target}")
     print(f"hardware key:  {key}")
+    if launcher.enabled():
+        pool = f"torch's intra-op threads (launcher {launcher.get().path})"
+    elif not env.launcher_enabled():
+        pool = "TVM's own pool (TVM_DEFORM_LAUNCHER=0)"
+    else:
+        pool = f"TVM's own pool: the launcher could not be built ({launcher.unavailable_reason})"
+    print(f"thread pool:   {pool}")
     print(f"threads:       {torch.get_num_threads()} (torch.get_num_threads)")
     cache = env.cache_dir()
     print(f"kernel cache:  {cache} ({'on' if env.cache_enabled() else 'off'})")
     tuned = "on" if env.tuned_enabled() else "off (TVM_DEFORM_TUNED=0)"
     print(f"tuning logs:   {tuned}")
+    own = False
     for root in logs.log_roots():
         keys = [k for k in logs.candidate_keys(root, target, key) if (root / k).is_dir()]
+        own = own or key in keys
         print(f"  {root}: {', '.join(keys) if keys else 'nothing for this machine'}")
+    if not own:
+        print(
+            f"  no logs of this machine's own ({key}): records of compatible machines are timed "
+            "here against the default at a shape's first use (`tvm-deform tune` writes own logs)"
+        )
     for name, description in env.VARIABLES.items():
         print(f"  {name}={os.environ.get(name, '')!s:<12} {description}")
     print()
-    print("suite workloads:")
+    print("what deform_conv2d runs for each suite workload here:")
     for name, shape in load_suite(args.suite).items():
         for op in logs.OPS:
-            record = build.resolve(shape, target, op=op)
-            if record is not None:
-                timing = "" if record.run_ms is None else f", {record.run_ms:.3f} ms when tuned"
-                where = f"tuned: {record.hardware_key} / {record.space}{timing}"
-            elif env.tuned_enabled() and (found := logs.find_records(shape, target, key, op=op)):
-                # Tuned, but the default schedule's own measurement beat every record.
-                times = ", ".join(f"{r.space} {r.run_ms:.3f} ms" for r in found if r.run_ms)
-                where = f"default schedule, measured faster than the tuned records ({times})"
-            else:
-                where = "default schedule"
-            print(f"  {name:<28} {op:<9} {where}")
+            print(f"  {name:<28} {op:<9} {dispatch.describe(shape, target, op)}")
     return 0
 
 

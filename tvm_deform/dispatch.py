@@ -86,17 +86,31 @@ def option_name(record: logs.TunedRecord | None) -> str:
     return "default" if record is None else f"{record.hardware_key}/{record.space}"
 
 
+def _options(candidates: list[logs.TunedRecord]) -> dict[str, logs.TunedRecord | None]:
+    return {"default": None} | {option_name(r): r for r in candidates}
+
+
+def stored_decision(
+    shape: ConvShape, target: Target, op: str, candidates: list[logs.TunedRecord]
+) -> dict | None:
+    """The decision on disk among the default and ``candidates`` for ``shape``'s ``op``."""
+    options = _options(candidates)
+    if not env.cache_enabled():
+        return None
+    stored = read_decisions(target).get(_digest(shape, target, op, options))
+    return stored if stored and stored.get("choice") in options else None
+
+
 def pick(
     shape: ConvShape, target: Target, op: str, candidates: list[logs.TunedRecord]
 ) -> logs.TunedRecord | None:
     """The fastest here of the default schedule (None) and ``candidates`` for ``shape``'s
     ``op``: from the decision on disk, else timed now and written there."""
-    options: dict[str, logs.TunedRecord | None] = {"default": None}
-    options |= {option_name(r): r for r in candidates}
+    options = _options(candidates)
     digest = _digest(shape, target, op, options)
     with _lock:
-        stored = read_decisions(target).get(digest) if env.cache_enabled() else None
-        if stored and stored.get("choice") in options:
+        stored = stored_decision(shape, target, op, candidates)
+        if stored:
             return options[stored["choice"]]
         times = measure(shape, target, op, options)
         choice = min(times, key=times.__getitem__)
@@ -147,3 +161,30 @@ def _runner(
         shape.batch, shape.out_channels, shape.out_h, shape.out_w, dtype=x.dtype
     )
     return lambda: ops.run_backward_cpu(shape, grad_output, x, offset, weight, mask, kernels)
+
+
+def describe(shape: ConvShape, target: Target, op: str = "forward") -> str:
+    """What ``shape``'s ``op`` runs on ``target`` and why, in words, without timing anything
+    (for ``tvm-deform info``)."""
+    if not env.tuned_enabled():
+        return "default schedule (TVM_DEFORM_TUNED=0)"
+    key = build.hardware_key(target)
+    own = logs.own_records(shape, target, key, op)
+    if own:
+        best = logs.fastest(own)
+        times = ", ".join(f"{r.space} {r.run_ms:.3f} ms" for r in own if r.run_ms)
+        if best is None:
+            return f"default schedule: faster than the records when tuned here ({times})"
+        return f"tuned here: {best.hardware_key} / {best.space} ({times})"
+    candidates = logs.foreign_records(shape, target, key, op)
+    if not candidates:
+        return "default schedule (no record for this shape)"
+    names = ", ".join(option_name(r) for r in candidates)
+    stored = stored_decision(shape, target, op, candidates)
+    if stored:
+        times = ", ".join(f"{n} {ms:.3f} ms" for n, ms in stored["median_ms"].items())
+        choice = "default schedule" if stored["choice"] == "default" else stored["choice"]
+        return f"{choice}: timed here against the others ({times})"
+    if not env.measure_enabled():
+        return f"default schedule (TVM_DEFORM_MEASURE=0: {names} not timed here)"
+    return f"not decided yet: default vs {names}, timed here at first use"
