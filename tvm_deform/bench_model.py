@@ -177,10 +177,12 @@ def openvino_runner(model: nn.Module, example: torch.Tensor, threads: int):
     import numpy as np
     import openvino
 
+    from .peers import openvino_config
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         converted = openvino.convert_model(model, example_input=example)
-    compiled = openvino.Core().compile_model(converted, "CPU", {"INFERENCE_NUM_THREADS": threads})
+    compiled = openvino.Core().compile_model(converted, "CPU", openvino_config(threads))
     request = compiled.create_infer_request()
     return lambda x: torch.from_numpy(np.asarray(request.infer([x.numpy()])[compiled.output(0)]))
 

@@ -1,5 +1,5 @@
 """The ``tvm-deform`` command (also ``python -m tvm_deform``): demo, bench, bench-backward,
-compare, diagnose, info, tune, build."""
+bench-model, compare, diagnose, info, tune, build."""
 
 from __future__ import annotations
 
@@ -103,6 +103,36 @@ def run_bench_backward(args: argparse.Namespace) -> int:
     print(training_table(rows))
     print(f"geometric mean speed-up over torchvision: {geometric_mean_speedup(rows):.1f}x")
     return 0
+
+
+def run_bench_model(args: argparse.Namespace) -> int:
+    from . import bench_model
+
+    _torchvision()
+    peers = () if args.no_peers else tuple(available_peers())
+    print(
+        f"R50-DCNv2 (DCN in c3-c5), input {args.batch}x3x{args.size}x{args.size}, inference, "
+        f"{torch.get_num_threads()} threads, CPU {build.host_cpu()}; median of >= {args.runs} "
+        "runs; every row checked against torch + torchvision"
+    )
+    rows = bench_model.run(
+        args.size, args.batch, compiled=not args.no_compile, peers=peers, runs=args.runs
+    )
+    table = bench_model.model_table(rows)
+    print(table)
+    print()
+    print("each DCN layer of the tvm_deform model: inside the model (eager) against alone")
+    layers = bench_model.layer_table(bench_model.layers_in_model(args.size, args.batch))
+    print(layers)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench-model.md").write_text(table + "\n\n" + layers + "\n")
+        print(f"wrote {out / 'bench-model.md'}")
+    failed = [r for r in rows if r.error is not None and r.error > 1e-4]
+    for row in failed:
+        print(f"{row.implementation}: relative error {row.error:.1e} against torch + torchvision")
+    return 1 if failed else 0
 
 
 def run_diagnose(args: argparse.Namespace) -> int:
@@ -307,6 +337,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     backward.add_argument("--quick", action="store_true", help="two layers only")
     backward.add_argument("--suite", help="a suite JSON file instead of the shipped one")
     backward.add_argument("--workload", action="append", help="only this suite workload")
+    model = sub.add_parser(
+        "bench-model", help="R50-DCNv2: torch + torchvision / tvm_deform / dense, ORT, OpenVINO"
+    )
+    model.add_argument("--size", type=int, default=320, help="input height and width")
+    model.add_argument("--batch", type=int, default=1)
+    model.add_argument("--runs", type=int, default=10, help="timed runs per row, at least")
+    model.add_argument("--no-compile", action="store_true", help="leave out torch.compile rows")
+    model.add_argument("--no-peers", action="store_true", help="leave out ONNX Runtime/OpenVINO")
+    model.add_argument("--out", default="results", help="directory for bench-model.md")
     info = sub.add_parser("info", help="target, hardware key, logs, and what each workload runs")
     info.add_argument("--suite", help="a suite JSON file instead of the shipped one")
     tune = sub.add_parser("tune", help="tune workloads with MetaSchedule (resumable)")
@@ -364,6 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "demo": run_demo,
         "bench": run_bench,
         "bench-backward": run_bench_backward,
+        "bench-model": run_bench_model,
         "info": run_info,
         "diagnose": run_diagnose,
         "tune": run_tune,
