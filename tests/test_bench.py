@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tvm_deform.bench import compare_layer, measure, relative_error
+from tvm_deform.bench import compare_layer, measure, measure_between, relative_error
 from tvm_deform.cli import main
 from tvm_deform.definition import ConvShape
 from tvm_deform.peers import available_peers
@@ -18,10 +18,21 @@ def test_measure_reports_ordered_quantiles():
     assert 0 < timing.p20_ms <= timing.median_ms <= timing.p80_ms
 
 
+def test_measure_between_times_only_the_call_after_the_other():
+    calls = []
+    timing = measure_between(lambda: calls.append("fn"), lambda: calls.append("before"))
+    assert timing.runs >= 10
+    assert calls[:4] == ["before", "fn", "before", "fn"] and calls.count("fn") == calls.count(
+        "before"
+    )
+
+
 def test_compare_layer_checks_every_implementation_against_torchvision():
     rows = {row.implementation: row for row in compare_layer("tiny", TINY, available_peers())}
-    assert {"torchvision", "tvm_deform default", "conv2d (dense)"} <= set(rows)
+    expected = {"torchvision", "tvm_deform", "tvm_deform (between conv2d)", "tvm_deform default"}
+    assert expected | {"conv2d (dense)"} <= set(rows)
     assert set(available_peers()) <= set(rows)
+    assert {f"{peer} (between conv2d)" for peer in available_peers()} <= set(rows)
     for name, row in rows.items():
         assert row.timing.median_ms > 0
         if name == "conv2d (dense)":

@@ -19,6 +19,8 @@ def fake_rows() -> list[Row]:
     t = lambda ms: Timing(ms, ms * 0.9, ms * 1.1, 10)  # noqa: E731
     return [
         Row("tiny", "torchvision", t(10.0), 0.0),
+        Row("tiny", "tvm_deform", t(2.5), 3e-7),
+        Row("tiny", "tvm_deform (between conv2d)", t(3.0), 3e-7),
         Row("tiny", "tvm_deform default", t(2.0), 3e-7),
         Row("tiny", "tvm_deform tuned handwritten", t(1.0), 2e-4),
         Row("tiny", "conv2d (dense)", t(0.5), None),
@@ -43,10 +45,25 @@ def test_derived_columns_and_writers(tmp_path):
         rows = list(csv.DictReader(handle))
     assert [r["implementation"] for r in rows] == [r.implementation for r in fake_rows()]
     assert {"threads", "cpu", "median_ms", "p20_ms", "p80_ms"} <= set(rows[0])
-    assert json.loads((tmp_path / "c.json").read_text())[1]["median_ms"] == 2.0
+    assert json.loads((tmp_path / "c.json").read_text())[3]["median_ms"] == 2.0
     table = compare.markdown_table(records)
     assert "| tiny | tvm_deform tuned handwritten | 1.00 |" in table
     assert "**NO**" in table
+
+
+def test_summary_reports_the_op_as_called():
+    """The summary's ratios are those of the public op (what dispatch runs here), not of the
+    fastest schedule in the row, and it gives the slowdown between torch ops."""
+    records = compare.rows_for_layer("tiny", TINY, fake_rows(), 100.0, {"threads": 2, "cpu": "x"})
+    (line,) = [x for x in compare.summary_table(records).splitlines() if x.startswith("| tiny")]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    header = compare.summary_table(records).splitlines()[0]
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert columns[1:4] == ["torchvision ms", "tvm_deform ms", "tvm_deform (between conv2d) ms"]
+    by = dict(zip(columns, cells, strict=True))
+    assert by["tvm_deform vs torchvision"] == "4.0x"  # 10 / 2.5, not 10 / 1.0
+    assert by["x dense conv2d"] == "5.00"
+    assert by["between / alone"] == "1.20"
 
 
 def test_plot_writes_a_png(tmp_path):

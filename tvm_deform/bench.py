@@ -68,18 +68,52 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-300))
 
 
+def measure_between(
+    fn: Callable[[], object], before: Callable[[], object], min_runs: int = 10
+) -> Timing:
+    """Like :func:`measure`, but each timed call of ``fn`` follows a call of ``before`` (a torch
+    op), as a layer runs inside a model: whatever ``before`` leaves running (torch's OpenMP
+    workers spin for a while after their region) meets ``fn``. Only ``fn`` is timed."""
+    for _ in range(2):
+        before()
+        fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_runs or time.perf_counter() - start < 0.3:
+        before()
+        begin = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - begin)
+        if len(times) >= 1000:
+            break
+    times.sort()
+    pick = lambda q: times[min(len(times) - 1, int(q * len(times)))] * 1e3  # noqa: E731
+    return Timing(statistics.median(times) * 1e3, pick(0.2), pick(0.8), len(times))
+
+
+#: the row of our op as users call it, and its suffix in the mode between torch ops
+DISPATCHED = "tvm_deform"
+BETWEEN = " (between conv2d)"
+
+
 def compare_layer(
     name: str,
     shape: ConvShape,
     peers: Sequence[str] = (),
     other_logs: str | os.PathLike | None = None,
 ) -> list[Row]:
-    """Time torchvision, tvm_deform (default schedule, and each tuned design space found in the
-    logs, and in ``other_logs`` when given), the named CPU ``peers`` and dense conv2d on
-    ``shape``, side by side on the same random inputs, checking each against torchvision."""
+    """Time torchvision, tvm_deform, the named CPU ``peers`` and dense conv2d on ``shape``, side
+    by side on the same random inputs, checking each against torchvision.
+
+    ``tvm_deform`` is the public ``deform_conv2d`` as users call it (argument checks, dispatch
+    and the kernel it picks); the ``tvm_deform default`` and ``tvm_deform tuned <space>`` rows
+    run one schedule each (the default, each design space's best record in the logs, and in
+    ``other_logs`` when given) through the same calling path. The rows marked "between conv2d"
+    time the same calls, each made right after a dense conv2d of the layer (the blocked rows
+    call back to back)."""
     import torchvision.ops
 
-    from . import build, logs
+    from . import build, deform_conv2d, logs
     from .ops import run_forward
     from .peers import PEERS
 
@@ -92,22 +126,23 @@ def compare_layer(
         "torchvision": lambda: torchvision.ops.deform_conv2d(
             x, offset, weight, bias, mask=mask, **kwargs
         ),
+        DISPATCHED: lambda: deform_conv2d(x, offset, weight, bias, mask=mask, **kwargs),
     }
     # The default schedule, and each design space's best tuned record for this shape.
     target = build.host_target()
-    kernels = {"tvm_deform default": build.get_kernel(shape, target, tuned=False)}
-    for record in logs.find_records(shape, target, build.hardware_key(target)):
-        if record.space == logs.DEFAULT_SPACE:  # the default schedule, timed above
-            continue
-        module = build.compile_kernel(shape, target, record)
-        kernels[f"tvm_deform tuned {record.space}"] = module["deform_conv2d"]
-    if other_logs is not None:
-        key = build.hardware_key(target)
-        for record in logs.find_records(shape, target, key, roots=[Path(other_logs)]):
-            if record.space == logs.DEFAULT_SPACE:
+    key = build.hardware_key(target)
+    kernels = {"tvm_deform default": build.load_kernel(shape, target)}
+    roots = [None] + ([Path(other_logs)] if other_logs is not None else [])
+    for root in roots:
+        found = logs.find_records(shape, target, key, roots=None if root is None else [root])
+        for record in found:
+            if record.space == logs.DEFAULT_SPACE:  # the default schedule, timed above
                 continue
-            module = build.compile_kernel(shape, target, record)
-            kernels[f"tvm_deform tuned {record.space} (other logs)"] = module["deform_conv2d"]
+            where = "" if record.hardware_key == key else f" ({record.hardware_key})"
+            where += "" if root is None else " (other logs)"
+            kernels[f"tvm_deform tuned {record.space}{where}"] = build.load_kernel(
+                shape, target, record
+            )
     for label, kernel in kernels.items():
         candidates[label] = functools.partial(
             run_forward, shape, x, offset, weight, bias, mask, kernel
@@ -115,18 +150,23 @@ def compare_layer(
     for peer in peers:
         run = PEERS[peer](shape, weight, bias, torch.get_num_threads())
         candidates[peer] = functools.partial(run, x, offset, mask)
-    candidates["conv2d (dense)"] = lambda: torch.nn.functional.conv2d(
-        x, weight, bias, groups=shape.weight_groups, **kwargs
-    )
+
+    def dense() -> torch.Tensor:
+        return torch.nn.functional.conv2d(x, weight, bias, groups=shape.weight_groups, **kwargs)
+
+    candidates["conv2d (dense)"] = dense
+    between = [DISPATCHED, *peers]
     rows = []
     with torch.no_grad():
         expected = candidates["torchvision"]()
         for implementation, fn in candidates.items():
-            dense = implementation.startswith("conv2d")
-            error = None if dense else relative_error(fn(), expected)
+            error = None if fn is dense else relative_error(fn(), expected)
             # torchvision is 10-30x slower than the rest: fewer runs keep the total time sane.
             runs = 5 if implementation == "torchvision" else 10
             rows.append(Row(name, implementation, measure(fn, min_runs=runs), error))
+            if implementation in between:
+                timing = measure_between(fn, dense)
+                rows.append(Row(name, implementation + BETWEEN, timing, error))
     return rows
 
 

@@ -1,0 +1,74 @@
+"""The whole-model benchmark's model and export (correctness only, no timing assertions)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from tvm_deform import bench_model
+from tvm_deform.cli import main
+from tvm_deform.suite import load_suite
+
+
+def dcn_input_shapes(size: int) -> dict[str, tuple[int, ...]]:
+    """The input shape of every DCN layer of the backbone at ``size`` (dense variant: quick)."""
+    model = bench_model.r50_dcnv2("dense")
+    shapes = {}
+    for name, layer in bench_model.dcn_layers(model).items():
+        layer.register_forward_pre_hook(lambda m, a, n=name: shapes.__setitem__(n, a[0].shape))
+    with torch.inference_mode():
+        model(torch.zeros(1, 3, size, size))
+    return shapes
+
+
+def test_backbone_has_dcn_in_c3_to_c5_with_strided_first_blocks():
+    model = bench_model.r50_dcnv2("dense")
+    layers = bench_model.dcn_layers(model)
+    assert len(layers) == 4 + 6 + 3
+    strided = [name for name, layer in layers.items() if layer.stride == (2, 2)]
+    assert strided == ["layer2.0.conv2", "layer3.0.conv2", "layer4.0.conv2"]
+
+
+def test_suite_holds_the_model_layers_at_320():
+    suite = {s for name, s in load_suite().items() if name.startswith("r50dcn320_")}
+    layers = bench_model.dcn_layers(bench_model.r50_dcnv2("dense"))
+    model = {layers[n].shape(torch.empty(shape)) for n, shape in dcn_input_shapes(320).items()}
+    assert model == suite
+
+
+def test_tvm_deform_backbone_matches_torchvision():
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ours = bench_model.r50_dcnv2("tvm_deform")(x)
+        theirs = bench_model.r50_dcnv2("torchvision")(x)
+    assert bench_model.relative_error(ours, theirs) < 1e-5
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("onnxruntime"), reason="needs onnxruntime")
+def test_onnx_export_maps_torchvision_op_to_deform_conv():
+    import onnx
+
+    model = bench_model.r50_dcnv2("torchvision")
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    graph = onnx.load_from_string(bench_model.onnx_model(model, x)).graph
+    assert sum(node.op_type == "DeformConv" for node in graph.node) == 13
+    run = bench_model.onnxruntime_runner(model, x, torch.get_num_threads())
+    with torch.inference_mode():
+        assert bench_model.relative_error(run(x), model(x)) < 1e-5
+
+
+def test_layers_in_model_time_every_dcn_layer():
+    rows = bench_model.layers_in_model(size=64, repeats=2)
+    assert len(rows) == 13
+    assert all(r.in_model_ms > 0 and r.alone_ms > 0 for r in rows)
+
+
+def test_bench_model_command(tmp_path, capsys):
+    argv = ["bench-model", "--size", "32", "--runs", "1", "--no-compile", "--no-peers"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for row in ("torch + torchvision", "torch + tvm_deform", "torch + dense conv2d in place"):
+        assert f"| {row} |" in out
+    assert (tmp_path / "bench-model.md").exists()
