@@ -19,7 +19,7 @@ from tvm_deform import build, deform_conv2d, dispatch, logs
 from tvm_deform.definition import ConvShape
 from tvm_deform.inputs import conv_kwargs, random_inputs
 from tvm_deform.suite import load_suite
-from tvm_deform.tuning import count_records, tune
+from tvm_deform.tuning import convergence_table, count_records, trial_history, tune
 
 TINY = ConvShape(1, 8, 10, 10, 8, 3, 3, pad_h=1, pad_w=1, has_bias=True)
 
@@ -304,3 +304,16 @@ def test_own_logs_decide_without_timing(tuned, tmp_path, monkeypatch, counted_me
     )
     assert dispatch.option_name(record) == dispatch.option_name(own)
     assert counted_measure == []
+
+
+def test_trial_history_and_convergence_table(tuned):
+    _, second, work, _ = tuned
+    key = build.hardware_key(build.host_target())
+    history = trial_history(work / key / "handwritten", TINY)
+    assert len(history) == second.trials
+    assert min(history) == pytest.approx(second.best_ms)
+    table = convergence_table(work, {"tiny": TINY}, build.host_target())
+    (line,) = [x for x in table.splitlines() if x.startswith("| tiny |")]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert float(cells[-2]) == pytest.approx(min(history), abs=1e-3)  # best after all trials
+    assert 1 <= int(cells[-1]) <= len(history)

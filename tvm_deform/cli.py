@@ -1,5 +1,5 @@
 """The ``tvm-deform`` command (also ``python -m tvm_deform``): demo, bench, bench-backward,
-bench-model, compare, diagnose, info, tune, build."""
+bench-model, compare, diagnose, info, tune, tune-report, build."""
 
 from __future__ import annotations
 
@@ -279,6 +279,19 @@ def run_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_tune_report(args: argparse.Namespace) -> int:
+    from .tuning import convergence_table
+
+    workloads = _chosen_workloads(args)
+    target = build.host_target()
+    print(
+        f"best time (ms, MetaSchedule's runner) against trials spent, {build.hardware_key(target)}"
+        f", {args.space} space, {args.op}; work directory {args.work_dir}"
+    )
+    print(convergence_table(args.work_dir, workloads, target, args.space, args.op))
+    return 0
+
+
 def run_build(args: argparse.Namespace) -> int:
     import shutil
 
@@ -379,6 +392,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="do not start from the records of other machines' logs (same ISA)",
     )
+    report = sub.add_parser(
+        "tune-report", help="best time against trials spent, from the tuning work directory"
+    )
+    report.add_argument("--work-dir", default="work/tune")
+    report.add_argument("--space", choices=("handwritten", "generic"), default="handwritten")
+    report.add_argument("--op", choices=("forward", "backward"), default="forward")
+    report.add_argument("--suite", help="a suite JSON file instead of the shipped one")
+    report.add_argument("--workload", action="append", help="only this suite workload")
+    report.add_argument("--shape", help="one shape as JSON (ConvShape fields)")
     cmp = sub.add_parser("compare", help="schedules vs torchvision, peers and dense conv2d")
     cmp.add_argument("--quick", action="store_true", help="two layers, about a minute")
     cmp.add_argument("--suite", help="a suite JSON file instead of the shipped one")
@@ -407,6 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "info": run_info,
         "diagnose": run_diagnose,
         "tune": run_tune,
+        "tune-report": run_tune_report,
         "compare": run_compare,
         "build": run_build,
     }

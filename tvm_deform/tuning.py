@@ -186,6 +186,66 @@ def records(
     return list(db.get_top_k(db.commit_workload(mod), 1_000_000))
 
 
+def trial_history(directory: Path, shape: ConvShape, op: str = "forward") -> list[float]:
+    """The measured time (ms) of every record of ``shape``'s ``op`` in the database at
+    ``directory``, in the order they were measured (a failed candidate is ``inf``). A database
+    seeded by a transfer tune starts with the other machines' records."""
+    workloads = directory / "database_workload.json"
+    if not workloads.exists():
+        return []
+    mod = workload_module(shape, op)
+    index = None
+    for number, line in enumerate(workloads.read_text().splitlines()):
+        workload = ms.database.Workload.from_json(json.loads(line))
+        if tvm_ffi.structural_equal(workload.mod, mod):
+            index = number
+            break
+    if index is None:
+        return []
+    history = []
+    for line in (directory / "database_tuning_record.json").read_text().splitlines():
+        workload_index, record = json.loads(line)
+        if workload_index == index:
+            secs = [float(s) for s in record[1] or []]
+            history.append(sum(secs) / len(secs) * 1e3 if secs else float("inf"))
+    return history
+
+
+def convergence_table(
+    work_dir: str | os.PathLike,
+    workloads: dict[str, ConvShape],
+    target: Target,
+    space: str = "handwritten",
+    op: str = "forward",
+) -> str:
+    """Per workload, the best time found after 1, 2, 4, ... trials (the first being a transfer
+    tune's seed, when it had one), and after how many trials the best came within 2% of the
+    final one: where more tuning stopped paying."""
+    directory = Path(work_dir) / build.hardware_key(target) / space
+    default_dir = Path(work_dir) / build.hardware_key(target) / DEFAULT_SPACE
+    histories = {name: trial_history(directory, shape, op) for name, shape in workloads.items()}
+    longest = max((len(h) for h in histories.values()), default=0)
+    marks = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= longest]
+    if longest not in marks:
+        marks.append(longest)
+    lines = [
+        "| workload | default ms | "
+        + " | ".join(f"best after {n}" for n in marks)
+        + " | within 2% of the best after |",
+        "|---|---:|" + "---:|" * len(marks) + "---:|",
+    ]
+    for name, history in histories.items():
+        if not history:
+            continue
+        best = [min(history[: i + 1]) for i in range(len(history))]
+        defaults = [r for r in records(default_dir, workloads[name], op)]
+        default = f"{record_ms(defaults[0]):.3f}" if defaults else "-"
+        cells = [f"{best[min(n, len(best)) - 1]:.3f}" for n in marks]
+        settled = next(i + 1 for i, b in enumerate(best) if b <= best[-1] * 1.02)
+        lines.append(f"| {name} | {default} | " + " | ".join(cells) + f" | {settled} |")
+    return "\n".join(lines) + "\n"
+
+
 def count_records(directory: Path, shape: ConvShape, op: str = "forward") -> int:
     return len(records(directory, shape, op))
 
