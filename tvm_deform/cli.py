@@ -162,16 +162,13 @@ def run_compare(args: argparse.Namespace) -> int:
     from . import compare
 
     _torchvision()
-    suite = load_suite(args.suite)
-    if args.workload:
-        unknown = sorted(set(args.workload) - set(suite))
-        if unknown:
-            raise SystemExit(f"unknown workload(s) {unknown}; the suite has {sorted(suite)}")
-        names = args.workload
+    if args.quick and not (args.workload or args.shape):
+        suite = load_suite(args.suite)
+        workloads = {name: suite[name] for name in QUICK if name in suite}
     else:
-        names = [name for name in QUICK if name in suite] if args.quick else list(suite)
+        workloads = _chosen_workloads(args)
     peers = [] if args.no_peers else available_peers()
-    records, complete = compare.run({name: suite[name] for name in names}, peers, args.other_logs)
+    records, complete = compare.run(workloads, peers, args.other_logs)
     out = Path(args.out)
     table = compare.markdown_table(records)
     summary = compare.summary_table(records) if records else ""
@@ -247,14 +244,7 @@ def run_info(args: argparse.Namespace) -> int:
 def run_tune(args: argparse.Namespace) -> int:
     from .tuning import tune
 
-    workloads = load_suite(args.suite)
-    if args.workload:
-        unknown = sorted(set(args.workload) - set(workloads))
-        if unknown:
-            raise SystemExit(f"unknown workload(s) {unknown}; the suite has {sorted(workloads)}")
-        workloads = {name: workloads[name] for name in args.workload}
-    if args.shape:
-        workloads = {"shape": ConvShape(**json.loads(args.shape))}
+    workloads = _chosen_workloads(args)
     spaces = SPACES if args.space == "all" else (args.space,)
     ops = OPS if args.op == "all" else (args.op,)
     target = Target(json.loads(args.target)) if args.target else build.host_target()
@@ -317,6 +307,7 @@ def run_build(args: argparse.Namespace) -> int:
 
 
 def _chosen_workloads(args: argparse.Namespace) -> dict[str, ConvShape]:
+    """The suite (``--suite``), narrowed by ``--workload`` names, or the one ``--shape``."""
     workloads = load_suite(args.suite)
     if args.shape:
         return {"shape": ConvShape(**json.loads(args.shape))}
@@ -405,6 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cmp.add_argument("--quick", action="store_true", help="two layers, about a minute")
     cmp.add_argument("--suite", help="a suite JSON file instead of the shipped one")
     cmp.add_argument("--workload", action="append", help="only this suite workload (repeatable)")
+    cmp.add_argument("--shape", help="one layer as JSON (ConvShape fields) instead of the suite")
     cmp.add_argument("--other-logs", help="a second tuning-log directory to compare against")
     cmp.add_argument("--out", default="results", help="directory for the CSV, JSON, MD and PNG")
     cmp.add_argument("--no-peers", action="store_true", help="leave out ONNX Runtime/OpenVINO")
