@@ -48,7 +48,12 @@ CASES = [
         ValueError,
         "3 offset groups",
     ),
-    ("mask channels", dict(mask=torch.rand(2, 8, 4, 4)), ValueError, "mask must have shape"),
+    (
+        "mask channels",
+        dict(mask=torch.rand(2, 8, 4, 4)),
+        ValueError,
+        r"mask.shape\[1\] is not valid",
+    ),
     ("offset size", dict(offset=torch.randn(2, 18, 5, 4)), ValueError, "offset must have shape"),
     ("mask size", dict(mask=torch.rand(2, 9, 4, 3)), ValueError, "mask must have shape"),
     ("offset batch", dict(offset=torch.randn(1, 18, 4, 4)), ValueError, "offset must have shape"),

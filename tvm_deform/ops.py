@@ -4,8 +4,6 @@ function."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import tvm_ffi
 from tvm.target import Target
@@ -312,9 +310,9 @@ def deform_conv2d(
     offset: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    stride: int | Sequence[int] = (1, 1),
-    padding: int | Sequence[int] = (0, 0),
-    dilation: int | Sequence[int] = (1, 1),
+    stride: int | tuple[int, int] | list[int] = (1, 1),
+    padding: int | tuple[int, int] | list[int] = (0, 0),
+    dilation: int | tuple[int, int] | list[int] = (1, 1),
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Modulated deformable 2-D convolution (DCNv2), a drop-in for torchvision's.
@@ -353,21 +351,52 @@ def deform_conv2d(
             different devices.
         NotImplementedError: tensors on a device without kernels (other than CPU and CUDA),
             or gradients of CUDA tensors (the CUDA backward is not written yet).
+
+    The ``TypeError`` and ``ValueError`` are also ``RuntimeError`` (as torchvision raises), and
+    the sizes are checked before the dtypes, in torchvision's order. Works under ``torch.fx``
+    symbolic tracing (one graph node) and ``torch.jit.script`` (the op is called directly; its
+    errors then arrive as TorchScript's ``RuntimeError``).
     """
+    if not torch.jit.is_scripting():
+        return _checked_call(input, offset, weight, bias, stride, padding, dilation, mask)
+    # TorchScript: the pairs as given; the op checks its arguments when it runs.
+    stride_h, stride_w = _pair(stride)
+    pad_h, pad_w = _pair(padding)
+    dilation_h, dilation_w = _pair(dilation)
+    return torch.ops.tvm_deform.deform_conv2d(
+        input, offset, weight, bias, mask, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w
+    )
+
+
+def _pair(value: int | tuple[int, int] | list[int]) -> tuple[int, int]:
+    if isinstance(value, int):
+        return value, value
+    if isinstance(value, list):
+        return value[0], value[1]
+    return value
+
+
+@torch.jit.unused
+def _checked_call(input, offset, weight, bias, stride, padding, dilation, mask) -> torch.Tensor:
+    """The eager path of :func:`deform_conv2d`: the arguments are checked here, so that errors
+    surface from the caller's line before dispatch. Under symbolic tracing (``torch.fx``, e.g.
+    torchvision's feature extraction) the tensors are proxies: the op is recorded as one graph
+    node, and checked when the traced graph runs."""
     stride_h, stride_w = as_pair(stride, "stride")
     pad_h, pad_w = as_pair(padding, "padding")
     dilation_h, dilation_w = as_pair(dilation, "dilation")
-    # Checked here too so that errors surface from the caller's line, before dispatch.
-    check_arguments(
-        input,
-        offset,
-        weight,
-        bias,
-        mask,
-        (stride_h, stride_w),
-        (pad_h, pad_w),
-        (dilation_h, dilation_w),
-    )
+    tensors = (input, offset, weight, bias, mask)
+    if not any(isinstance(t, torch.fx.Proxy) for t in tensors):
+        check_arguments(
+            input,
+            offset,
+            weight,
+            bias,
+            mask,
+            (stride_h, stride_w),
+            (pad_h, pad_w),
+            (dilation_h, dilation_w),
+        )
     return torch.ops.tvm_deform.deform_conv2d(
         input, offset, weight, bias, mask, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w
     )

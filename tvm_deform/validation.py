@@ -2,10 +2,17 @@
 
 Every failure names the argument and what was expected. The checks only read shapes, dtypes and
 devices, so they also run on fake tensors under ``torch.compile``.
+
+Drop-in behaviour: torchvision raises ``RuntimeError`` for bad sizes (its C++ checks), we raise
+``ValueError``/``TypeError``; :class:`ArgumentError` and :class:`ArgumentTypeError` are both, so
+``except RuntimeError`` and ``except ValueError`` (or ``TypeError``) both catch them. The checks
+run in torchvision's order (ranks, then sizes, then dtypes and devices), and the messages for the
+offset's and the mask's channel counts start with torchvision's words.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -23,10 +30,19 @@ DTYPES = {
 Pair = tuple[int, int]
 
 
+class ArgumentError(ValueError, RuntimeError):
+    """A bad argument value or shape: a ``ValueError``, and the ``RuntimeError`` torchvision
+    raises for it."""
+
+
+class ArgumentTypeError(TypeError, RuntimeError):
+    """A bad argument type or dtype: a ``TypeError``, and a ``RuntimeError`` as torchvision's."""
+
+
 def as_pair(value: int | Sequence[int], name: str) -> Pair:
     """``value`` as an ``(h, w)`` pair: an int is used for both axes."""
     if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
+        raise ArgumentTypeError(f"{name} must be an int or a pair of ints, got {value!r}")
     if isinstance(value, int):
         return (value, value)
     if isinstance(value, torch.SymInt):
@@ -34,19 +50,19 @@ def as_pair(value: int | Sequence[int], name: str) -> Pair:
     try:
         items = tuple(value)
     except TypeError:
-        raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}") from None
+        raise ArgumentTypeError(f"{name} must be an int or a pair of ints, got {value!r}") from None
     if len(items) != 2 or not all(
         isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool) for v in items
     ):
-        raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
+        raise ArgumentTypeError(f"{name} must be an int or a pair of ints, got {value!r}")
     return (items[0], items[1])
 
 
 def _check_tensor(value: object, name: str, rank: int, layout: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if value.dim() != rank:
-        raise ValueError(
+        raise ArgumentError(
             f"{name} must be a {rank}-D tensor {layout}, got shape {tuple(value.shape)}"
         )
     return value
@@ -73,52 +89,36 @@ def check_arguments(
     tensors = {"input": input, "offset": offset, "weight": weight, "bias": bias, "mask": mask}
     present = {name: t for name, t in tensors.items() if t is not None}
 
-    for name, tensor in present.items():
-        if tensor.dtype not in DTYPES:
-            raise TypeError(
-                f"{name} must be float32, float64, float16 or bfloat16, got {tensor.dtype}"
-            )
-    for name, tensor in present.items():
-        if tensor.dtype != input.dtype:
-            raise TypeError(
-                f"{name} has dtype {tensor.dtype} but input has {input.dtype}: "
-                "all tensors must have the same dtype"
-            )
-        if tensor.device != input.device:
-            raise ValueError(
-                f"{name} is on {tensor.device} but input is on {input.device}: "
-                "all tensors must be on the same device"
-            )
-
     for name, pair in (("stride", stride), ("dilation", dilation)):
         if pair[0] <= 0 or pair[1] <= 0:
-            raise ValueError(f"{name} must be positive, got {tuple(pair)}")
+            raise ArgumentError(f"{name} must be positive, got {tuple(pair)}")
     if padding[0] < 0 or padding[1] < 0:
-        raise ValueError(f"padding must be non-negative, got {tuple(padding)}")
+        raise ArgumentError(f"padding must be non-negative, got {tuple(padding)}")
 
     batch, in_channels, height, width = input.shape
     out_channels, weight_in, kernel_h, kernel_w = weight.shape
     taps = kernel_h * kernel_w
     if weight_in == 0 or kernel_h == 0 or kernel_w == 0 or out_channels == 0:
-        raise ValueError(f"weight must have no zero-sized dimension, got {tuple(weight.shape)}")
+        raise ArgumentError(f"weight must have no zero-sized dimension, got {tuple(weight.shape)}")
     if in_channels % weight_in != 0:
-        raise ValueError(
+        raise ArgumentError(
             f"input has {in_channels} channels, not a multiple of weight.shape[1] = {weight_in} "
             "(groups = input channels / weight.shape[1])"
         )
     groups = in_channels // weight_in
     if out_channels % groups != 0:
-        raise ValueError(
+        raise ArgumentError(
             f"weight.shape[0] = {out_channels} output channels do not divide into {groups} groups"
         )
     if offset.shape[1] == 0 or offset.shape[1] % (2 * taps) != 0:
-        raise ValueError(
+        raise ArgumentError(
+            "the shape of the offset tensor at dimension 1 is not valid: "
             f"offset must have 2 * offset_groups * kh * kw channels, a positive multiple of "
             f"{2 * taps} for a {kernel_h}x{kernel_w} kernel, got {offset.shape[1]}"
         )
     offset_groups = offset.shape[1] // (2 * taps)
     if in_channels % offset_groups != 0:
-        raise ValueError(
+        raise ArgumentError(
             f"input has {in_channels} channels, which do not divide into the "
             f"{offset_groups} offset groups that offset's {offset.shape[1]} channels imply"
         )
@@ -141,27 +141,49 @@ def check_arguments(
         offset_groups=offset_groups,
         has_mask=mask is not None,
         has_bias=bias is not None,
-        dtype=DTYPES[input.dtype],
+        # The dtype is checked after the sizes (torchvision's order); set at the end.
     )
     if shape.out_h <= 0 or shape.out_w <= 0:
-        raise ValueError(
+        raise ArgumentError(
             f"the output would be empty ({shape.out_h}x{shape.out_w}): the dilated "
             f"{kernel_h}x{kernel_w} kernel is larger than the padded {height}x{width} input"
         )
     expected = (batch, shape.out_h, shape.out_w)
     if (offset.shape[0], offset.shape[2], offset.shape[3]) != expected:
-        raise ValueError(
+        raise ArgumentError(
             f"offset must have shape [N, {offset.shape[1]}, out_h, out_w] = "
             f"[{batch}, {offset.shape[1]}, {shape.out_h}, {shape.out_w}], "
             f"got {tuple(offset.shape)}"
         )
     if mask is not None:
         want = (batch, offset_groups * taps, shape.out_h, shape.out_w)
+        if mask.shape[1] != want[1]:
+            raise ArgumentError(
+                f"mask.shape[1] is not valid: mask must have offset_groups * kh * kw = {want[1]} "
+                f"channels ({offset_groups} offset groups, a {kernel_h}x{kernel_w} kernel), "
+                f"got shape {tuple(mask.shape)}"
+            )
         if tuple(mask.shape) != want:
-            raise ValueError(
+            raise ArgumentError(
                 f"mask must have shape [N, offset_groups * kh * kw, out_h, out_w] = {list(want)}, "
                 f"got {tuple(mask.shape)}"
             )
     if bias is not None and bias.shape[0] != out_channels:
-        raise ValueError(f"bias must have shape [{out_channels}], got {tuple(bias.shape)}")
-    return shape
+        raise ArgumentError(f"bias must have shape [{out_channels}], got {tuple(bias.shape)}")
+    for name, tensor in present.items():
+        if tensor.dtype not in DTYPES:
+            raise ArgumentTypeError(
+                f"{name} must be float32, float64, float16 or bfloat16, got {tensor.dtype}"
+            )
+    for name, tensor in present.items():
+        if tensor.dtype != input.dtype:
+            raise ArgumentTypeError(
+                f"{name} has dtype {tensor.dtype} but input has {input.dtype}: "
+                "all tensors must have the same dtype"
+            )
+        if tensor.device != input.device:
+            raise ArgumentError(
+                f"{name} is on {tensor.device} but input is on {input.device}: "
+                "all tensors must be on the same device"
+            )
+    return dataclasses.replace(shape, dtype=DTYPES[input.dtype])

@@ -1,0 +1,123 @@
+"""Drop-in behaviour beyond the numbers: torchvision's exception types and check order, FX
+tracing and feature extraction, TorchScript (cases ported from torchvision's TestDeformConv)."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from tvm_deform import DeformConv2d, deform_conv2d
+
+
+def layer_inputs(dtype=torch.float64, batch: int = 10):
+    """torchvision's test_wrong_sizes set-up: 6 -> 2 channels, a 3x2 kernel, 2 groups, offset
+    groups 3, stride (2, 1), padding (1, 0), dilation (2, 1); float64 tensors."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(batch, 6, 5, 4, generator=g, dtype=dtype)
+    offset = torch.randn(batch, 3 * 2 * 3 * 2, 2, 3, generator=g, dtype=dtype)
+    mask = torch.rand(batch, 3 * 3 * 2, 2, 3, generator=g, dtype=dtype)
+    layer = DeformConv2d(6, 2, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(2, 1), groups=2)
+    return x, offset, mask, layer
+
+
+def test_wrong_sizes_raise_runtime_error_before_the_dtype_check():
+    # The layer is float32 and the tensors float64, as in torchvision's test: the sizes are
+    # reported first.
+    x, offset, mask, layer = layer_inputs()
+    with pytest.raises(RuntimeError, match="the shape of the offset"):
+        layer(x, torch.rand_like(offset[:, :2]))
+    with pytest.raises(RuntimeError, match=r"mask.shape\[1\] is not valid"):
+        layer(x, offset, torch.rand_like(mask[:, :2]))
+
+
+def test_errors_are_both_ours_and_runtime_errors():
+    x, offset, mask, layer = layer_inputs(torch.float32)
+    with pytest.raises(ValueError) as caught:
+        layer(x, offset[:, :2])
+    assert isinstance(caught.value, RuntimeError)
+    with pytest.raises(TypeError) as caught:
+        layer(x.double(), offset, mask)
+    assert isinstance(caught.value, RuntimeError)
+
+
+class Backbone(nn.Module):
+    """A DCNv2 block as detection backbones write it: offsets and mask from a conv beside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offset = nn.Conv2d(4, 27, 3, padding=1)
+        self.dcn = DeformConv2d(4, 6, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.offset(x)
+        return self.dcn(x, out[:, :18], out[:, 18:].sigmoid()).relu()
+
+
+def test_fx_symbolic_trace():
+    model = Backbone()
+    x = torch.randn(2, 4, 7, 7)
+    traced = torch.fx.symbolic_trace(model)
+    ops = [n.target for n in traced.graph.nodes if n.op == "call_function"]
+    assert torch.ops.tvm_deform.deform_conv2d.default in ops or (
+        torch.ops.tvm_deform.deform_conv2d in ops
+    )
+    assert torch.equal(traced(x), model(x))
+
+
+def test_fx_feature_extraction():
+    from torchvision.models.feature_extraction import (
+        create_feature_extractor,
+        get_graph_node_names,
+    )
+
+    model = Backbone()
+    x = torch.randn(2, 4, 7, 7)
+    train, evaluation = get_graph_node_names(model)
+    assert "relu" in evaluation
+    (dcn,) = [name for name in evaluation if name.startswith("dcn")][-1:]
+    features = create_feature_extractor(model, {dcn: "dcn", "relu": "out"})(x)
+    assert torch.equal(features["out"], model(x))
+    assert torch.equal(features["dcn"].relu(), model(x))
+
+
+def scripted(obj):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.script is deprecated
+        return torch.jit.script(obj)
+
+
+def test_torchscript_module_and_its_saved_copy():
+    x, offset, mask, _ = layer_inputs(torch.float32)
+    layer = DeformConv2d(6, 2, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(2, 1), groups=2)
+    script = scripted(layer)
+    assert torch.equal(script(x, offset, mask), layer(x, offset, mask))
+    assert torch.equal(script(x, offset), layer(x, offset))
+    buffer = io.BytesIO()
+    torch.jit.save(script, buffer)
+    buffer.seek(0)
+    assert torch.equal(torch.jit.load(buffer)(x, offset, mask), layer(x, offset, mask))
+    with pytest.raises(RuntimeError, match="the shape of the offset"):
+        script(x, offset[:, :2])
+
+
+def call(x: torch.Tensor, offset: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return deform_conv2d(x, offset, weight, stride=(2, 1), padding=[1, 0], dilation=(2, 1))
+
+
+def call_int_pairs(x: torch.Tensor, offset: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return deform_conv2d(x, offset, weight, padding=1)
+
+
+def test_torchscript_function():
+    x, offset, mask, layer = layer_inputs(torch.float32)
+    weight = layer.weight.detach()
+    assert torch.equal(scripted(call)(x, offset, weight), call(x, offset, weight))
+    y = torch.randn(1, 6, 5, 5)
+    offset2 = torch.randn(1, 3 * 2 * 3 * 2, 5, 6)
+    assert torch.equal(
+        scripted(call_int_pairs)(y, offset2, weight), call_int_pairs(y, offset2, weight)
+    )
