@@ -239,3 +239,33 @@ def test_accumulating_in_reduced_precision_drifts_more():
     assert 1e-5 < io.relative_difference < acc.relative_difference
     full = reduced_precision_deform_conv2d(x, offset, weight, padding=1, mantissa_bits=23)
     assert_close(full, io.float32, 1e-6)
+
+
+def test_pack_module_under_autocast_follows_mmcv():
+    """The offset conv returns bfloat16 under autocast; as in mmcv, the offset's dtype decides:
+    input, weight and mask are cast to it, and so is the output."""
+    torch.manual_seed(0)
+    layer = ModulatedDeformConv2dPack(4, 6, 3, padding=1)
+    torch.nn.init.normal_(layer.conv_offset.weight, std=0.3)
+    x = torch.randn(2, 4, 7, 7)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+        raw = layer.conv_offset(x)
+    assert raw.dtype == torch.bfloat16 and out.dtype == torch.bfloat16
+    o1, o2, mask = torch.chunk(raw, 3, dim=1)
+    expected = torchvision.ops.deform_conv2d(
+        x.bfloat16().float(),
+        torch.cat((o1, o2), dim=1).float(),
+        layer.weight.bfloat16().float(),
+        layer.bias.bfloat16().float(),
+        padding=1,
+        mask=torch.sigmoid(mask).float(),
+    )
+    assert_close(out.float(), expected, rtol=1e-2, name="autocast output")
+
+
+def test_mmcv_api_details():
+    with pytest.warns(DeprecationWarning, match="deformable_groups"):
+        layer = ModulatedDeformConv2d(4, 4, 3, deformable_groups=2)
+    assert layer.deform_groups == 2
+    assert layer.transposed is False and layer.output_padding == (0,)

@@ -121,3 +121,23 @@ def test_torchscript_function():
     assert torch.equal(
         scripted(call_int_pairs)(y, offset2, weight), call_int_pairs(y, offset2, weight)
     )
+
+
+def test_autocast_computes_in_float32_and_returns_the_input_dtype():
+    import torchvision.ops
+
+    x, w = torch.randn(1, 4, 7, 7), torch.randn(5, 4, 3, 3)
+    conv = nn.Conv2d(4, 27, 3, padding=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = conv(x)
+        offset, mask = out[:, :18], out[:, 18:].sigmoid()
+        ours = deform_conv2d(x, offset, w, padding=1, mask=mask)
+    assert offset.dtype == torch.bfloat16 and ours.dtype == torch.float32
+    theirs = torchvision.ops.deform_conv2d(x, offset.float(), w, padding=1, mask=mask.float())
+    assert (ours - theirs).abs().max() < 1e-5
+    low = x.bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        result = deform_conv2d(low, offset, w, padding=1, mask=mask)
+    assert result.dtype == torch.bfloat16
+    result.float().sum().backward()
+    assert low.grad is not None and low.grad.dtype == torch.bfloat16

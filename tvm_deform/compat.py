@@ -14,6 +14,7 @@ module of that name (same parameter names, so an mmcv state dict loads).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -188,7 +189,17 @@ class ModulatedDeformConv2d(DeformConv2d):
         groups: int = 1,
         deform_groups: int = 1,
         bias: bool = True,
+        *,
+        deformable_groups: int | None = None,
     ) -> None:
+        if deformable_groups is not None:
+            # mmcv's deprecated name, still accepted there with a warning.
+            warnings.warn(
+                "deformable_groups is deprecated, use deform_groups",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            deform_groups = deformable_groups
         if deform_groups <= 0 or in_channels % deform_groups:
             raise ValueError(
                 f"in_channels ({in_channels}) must be divisible by deform_groups ({deform_groups})"
@@ -197,6 +208,9 @@ class ModulatedDeformConv2d(DeformConv2d):
         super().__init__(
             in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias
         )
+        # Set by mmcv for compatibility with nn.Conv2d-like code (e.g. fuse_conv_bn).
+        self.transposed = False
+        self.output_padding = (0,)
 
     def reset_parameters(self) -> None:
         fan_in = self.in_channels * self.kernel_size[0] * self.kernel_size[1]
@@ -212,7 +226,22 @@ class ModulatedDeformConv2d(DeformConv2d):
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, offset: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        return super().forward(x, offset, mask)
+        if offset.dtype == x.dtype:
+            return super().forward(x, offset, mask)
+        # mmcv's rule for mixed precision: under autocast the offset conv returns float16 or
+        # bfloat16 while the input and the layer stay float32; the offset's dtype decides, the
+        # rest is cast to it (the kernel still accumulates in float32).
+        dtype = offset.dtype
+        return deform_conv2d(
+            x.to(dtype),
+            offset,
+            self.weight.to(dtype),
+            None if self.bias is None else self.bias.to(dtype),
+            stride=self.stride,
+            padding=self.padding,
+            dilation=self.dilation,
+            mask=None if mask is None else mask.to(dtype),
+        )
 
 
 class ModulatedDeformConv2dPack(ModulatedDeformConv2d):

@@ -305,6 +305,32 @@ def _backward(ctx, grad_output):
 _deform_conv2d.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _autocast_enabled(input: torch.Tensor) -> bool:
+    device = input.device.type if isinstance(input, torch.Tensor) else "cpu"
+    return device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
+
+
+def _autocast_rule(device_type: str):
+    """torchvision's autocast rule: inside an autocast region the op computes in float32 (a
+    reduced-precision deformable conv is what this package exists to avoid) and returns the
+    input's dtype."""
+
+    def run(input, offset, weight, bias, mask, *params):
+        with torch.autocast(device_type, enabled=False):
+            out = torch.ops.tvm_deform.deform_conv2d(
+                *(None if t is None else t.float() for t in (input, offset, weight, bias, mask)),
+                *params,
+            )
+        return out.to(input.dtype)
+
+    return run
+
+
+_autocast_library = torch.library.Library("tvm_deform", "IMPL")
+for _device, _key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
+    _autocast_library.impl("deform_conv2d", _autocast_rule(_device), _key)
+
+
 def deform_conv2d(
     input: torch.Tensor,
     offset: torch.Tensor,
@@ -396,6 +422,8 @@ def _checked_call(input, offset, weight, bias, stride, padding, dilation, mask) 
             (stride_h, stride_w),
             (pad_h, pad_w),
             (dilation_h, dilation_w),
+            # In an autocast region the op's autocast rule casts every tensor to float32.
+            same_dtype=not _autocast_enabled(input),
         )
     return torch.ops.tvm_deform.deform_conv2d(
         input, offset, weight, bias, mask, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w
