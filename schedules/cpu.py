@@ -2,7 +2,7 @@
 
 ``DefaultCPU`` is the untuned schedule used for any shape that has no tuning record;
 ``HandwrittenSpace`` is the same structures with their tile sizes left to MetaSchedule (sampled
-choices that its search draws and scores). The structure (design.md section 4):
+choices that its search draws and scores). The structure:
 
 - the parallel loop is outermost and runs over (batch, tile of output pixels);
 - under it, the sampling geometry of the tile is computed once per offset group, then the tile of

@@ -1,6 +1,6 @@
 """CUDA schedules of the deformable convolution (the forward kernel).
 
-``DefaultCUDA`` is the untuned schedule (design.md section 4, on a GPU):
+``DefaultCUDA`` is the untuned schedule (the CPU structure, on a GPU):
 
 - the sampling geometry (clamped rows and columns, corner coefficients) is computed by its own
   small kernels, one thread per (n, group, tap, corner, pixel), written once per offset group;

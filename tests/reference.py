@@ -1,4 +1,4 @@
-"""A float64 reference written from the semantics contract (design.md section 3), for tests.
+"""A float64 reference written from torchvision's semantics (see the README), for tests.
 
 Deliberately plain: every sample point is computed with explicit corner checks, no clamping
 tricks, so that it shares no code or shortcuts with the TensorIR definition.

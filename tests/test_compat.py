@@ -261,7 +261,7 @@ def test_pack_module_under_autocast_follows_mmcv():
         padding=1,
         mask=torch.sigmoid(mask).float(),
     )
-    assert_close(out.float(), expected, rtol=1e-2, name="autocast output")
+    assert_close(out.detach().float(), expected, rtol=1e-2, name="autocast output")
 
 
 def test_mmcv_api_details():
@@ -269,3 +269,70 @@ def test_mmcv_api_details():
         layer = ModulatedDeformConv2d(4, 4, 3, deformable_groups=2)
     assert layer.deform_groups == 2
     assert layer.transposed is False and layer.output_padding == (0,)
+
+
+# mmcv's own fixed expectations (tests/test_ops/test_modulated_deform_conv.py in mmcv): a 2x2
+# pack layer with padding 1, weight 1, on a 3x3 input; its zero-initialised offset conv makes
+# the border taps sample exactly at y = -1 or x = -1.
+MMCV_INPUT = [[[[1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [1.0, 2.0, 3.0]]]]
+MMCV_OUTPUT = [
+    [[[0.5, 1.5, 2.5, 1.5], [1.0, 3.0, 5.0, 3.0], [1.0, 3.0, 5.0, 3.0], [0.5, 1.5, 2.5, 1.5]]]
+]
+MMCV_INPUT_GRAD = [[[[2.0, 2.0, 2.0], [2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]]]
+MMCV_WEIGHT_GRAD = [[[[9.0, 9.0], [9.0, 9.0]]]]
+MMCV_OFFSET_WEIGHT_GRAD = [
+    [[[-7.0, -4.0], [0.0, 0.0]]],
+    [[[-9.0, 7.5], [-6.0, 5.0]]],
+    [[[-4.0, -7.0], [0.0, 0.0]]],
+    [[[-7.5, -9.0], [-5.0, -6.0]]],
+    [[[-7.0, -4.0], [-7.0, -4.0]]],
+    [[[-6.0, 5.0], [-9.0, 7.5]]],
+    [[[-4.0, -7.0], [-4.0, -7.0]]],
+    [[[-5.0, -6.0], [-7.5, -9.0]]],
+    [[[10.5, 6.0], [7.0, 4.0]]],
+    [[[6.0, 10.5], [4.0, 7.0]]],
+    [[[7.0, 4.0], [10.5, 6.0]]],
+    [[[4.0, 7.0], [6.0, 10.5]]],
+]
+MMCV_OFFSET_BIAS_GRAD = [-3.0, -1.5, -3.0, -1.5, -3.0, -1.5, -3.0, -1.5, 4.5, 4.5, 4.5, 4.5]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_pack_module_gives_mmcvs_fixed_gradients(dtype):
+    x = torch.tensor(MMCV_INPUT, dtype=dtype, requires_grad=True)
+    layer = ModulatedDeformConv2dPack(1, 1, (2, 2), stride=1, padding=1, bias=False)
+    layer.weight.data.fill_(1.0)
+    layer.to(dtype)
+    out = layer(x)
+    out.sum().backward()
+    expect = {
+        "output": (out, MMCV_OUTPUT),
+        "input grad": (x.grad, MMCV_INPUT_GRAD),
+        "weight grad": (layer.weight.grad, MMCV_WEIGHT_GRAD),
+        "offset conv weight grad": (layer.conv_offset.weight.grad, MMCV_OFFSET_WEIGHT_GRAD),
+        "offset conv bias grad": (layer.conv_offset.bias.grad, MMCV_OFFSET_BIAS_GRAD),
+    }
+    for name, (got, want) in expect.items():
+        assert torch.allclose(got.detach(), torch.tensor(want, dtype=dtype), rtol=1e-2), name
+
+
+def test_offset_grad_rule_differs_only_at_minus_one():
+    """torchvision's rule (the plain op) keeps the right-hand derivative at exactly -1, mmcv's
+    gives 0 there; elsewhere, and in the forward, the two agree."""
+    from tvm_deform.ops import deform_conv2d_with_offset_grad_rule
+
+    x = torch.arange(9.0).reshape(1, 1, 3, 3)
+    weight = torch.ones(1, 1, 2, 2)
+    grads = {}
+    for rule in ("torchvision", "mmcv"):
+        offset = torch.zeros(1, 8, 4, 4, requires_grad=True)
+        out = deform_conv2d_with_offset_grad_rule(x, offset, weight, None, 1, 1, 1, None, rule)
+        out.sum().backward()
+        grads[rule] = (out.detach(), offset.grad)
+    assert torch.equal(grads["torchvision"][0], grads["mmcv"][0])
+    differs = grads["torchvision"][1] != grads["mmcv"][1]
+    assert differs.any()
+    # Only the border taps (points at -1 with padding 1) differ.
+    assert not differs[..., 1:3, 1:3].any()
+    with pytest.raises(ValueError, match="offset_grad_rule"):
+        deform_conv2d_with_offset_grad_rule(x, offset, weight, None, 1, 1, 1, None, "other")

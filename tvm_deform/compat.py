@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .modules import DeformConv2d
-from .ops import deform_conv2d
+from .ops import deform_conv2d, deform_conv2d_with_offset_grad_rule
 from .validation import as_pair
 
 __all__ = [
@@ -226,21 +226,26 @@ class ModulatedDeformConv2d(DeformConv2d):
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, offset: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        if offset.dtype == x.dtype:
-            return super().forward(x, offset, mask)
-        # mmcv's rule for mixed precision: under autocast the offset conv returns float16 or
-        # bfloat16 while the input and the layer stay float32; the offset's dtype decides, the
-        # rest is cast to it (the kernel still accumulates in float32).
+        """mmcv's layer: its rule for the offset gradient at -1 (zero; see
+        ``ConvShape.offset_grad_rule``) and its rule for mixed precision: under autocast the
+        offset conv returns float16 or bfloat16 while the input and the layer stay float32, so
+        the offset's dtype decides and the rest is cast to it (the kernel still accumulates in
+        float32)."""
         dtype = offset.dtype
-        return deform_conv2d(
-            x.to(dtype),
+
+        def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(dtype)
+
+        return deform_conv2d_with_offset_grad_rule(
+            cast(x),
             offset,
-            self.weight.to(dtype),
-            None if self.bias is None else self.bias.to(dtype),
-            stride=self.stride,
-            padding=self.padding,
-            dilation=self.dilation,
-            mask=None if mask is None else mask.to(dtype),
+            cast(self.weight),
+            cast(self.bias),
+            self.stride,
+            self.padding,
+            self.dilation,
+            cast(mask),
+            "mmcv",
         )
 
 

@@ -27,7 +27,7 @@ every gradient but the input's is a gather or an ordered reduction and so a TE c
 input's gradient is a scatter, written in TVMScript as one block per image plane, so that no two
 blocks write the same memory and no atomics are needed (deterministic gradients).
 
-The sampling rule is torchvision's (design.md section 3): a point is zero when ``y <= -1``,
+The sampling rule is torchvision's: a point is zero when ``y <= -1``,
 ``y >= H``, ``x <= -1`` or ``x >= W``; otherwise the four corners around it are weighted
 bilinearly and a corner outside the image counts as zero.
 """
@@ -85,6 +85,10 @@ class ConvShape:
     has_mask: bool = True
     has_bias: bool = False
     dtype: str = "float32"
+    #: the offset gradient of a sample point exactly at -1 (y or x): "torchvision" takes its
+    #: right-hand derivative (row or column 0), as torchvision's backward does; "mmcv" gives 0,
+    #: as mmcv's kernel does (it treats -1 as outside). Only the backward depends on it.
+    offset_grad_rule: str = "torchvision"
 
     @property
     def out_h(self) -> int:
@@ -241,7 +245,9 @@ class _Sampling:
 
         torchvision's ``get_coordinate_weight``: it has no outer test, only the per-corner one,
         so a point exactly at -1 still has the derivative of its right-hand side (row or column
-        0); beyond that every corner is outside and the coefficient is 0.
+        0); beyond that every corner is outside and the coefficient is 0. With the shape's
+        ``offset_grad_rule`` "mmcv", the open test of the forward applies (0 at -1), as in
+        mmcv's ``dmcn_get_coordinate_weight``.
         """
         y, x, weight_y, weight_x, in_image = self.corner(n, g, k, q, p)
         one = tirx.const(1, self.acc)
@@ -250,7 +256,8 @@ class _Sampling:
         else:
             value = te.if_then_else(q % 2 == 0, -one, one) * weight_y
         value = self.masked(value, n, g, k, p)
-        inside = self.inside(y, x, in_image, closed=True)
+        closed = self.shape.offset_grad_rule == "torchvision"
+        inside = self.inside(y, x, in_image, closed=closed)
         return te.if_then_else(inside, value, tirx.const(0, self.acc))
 
     def unmasked_coefficient(self, n, g, k, q, p):

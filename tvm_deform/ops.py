@@ -4,13 +4,15 @@ function."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import tvm_ffi
 from tvm.target import Target
 
 from . import build, definition
 from .definition import ConvShape
-from .validation import as_pair, check_arguments
+from .validation import ArgumentError, as_pair, check_arguments
 
 __all__ = ["deform_conv2d"]
 
@@ -140,7 +142,9 @@ def _deform_conv2d(
     pad_w: int,
     dilation_h: int,
     dilation_w: int,
+    offset_grad_rule: str = "torchvision",
 ) -> torch.Tensor:
+    _checked_rule(offset_grad_rule)
     shape = check_arguments(
         input,
         offset,
@@ -172,7 +176,9 @@ def _deform_conv2d_fake(
     pad_w: int,
     dilation_h: int,
     dilation_w: int,
+    offset_grad_rule: str = "torchvision",
 ) -> torch.Tensor:
+    _checked_rule(offset_grad_rule)
     shape = check_arguments(
         input,
         offset,
@@ -200,6 +206,7 @@ def _deform_conv2d_backward(
     pad_w: int,
     dilation_h: int,
     dilation_w: int,
+    offset_grad_rule: str = "torchvision",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (input, offset, mask, weight, bias); an absent mask or bias gets an empty
     tensor (custom ops cannot return None)."""
@@ -210,7 +217,7 @@ def _deform_conv2d_backward(
         weight,
         mask,
         has_bias,
-        (stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w),
+        (stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, offset_grad_rule),
     )
     if input.device.type != "cpu":
         raise NotImplementedError(
@@ -235,6 +242,7 @@ def _deform_conv2d_backward_fake(
     pad_w: int,
     dilation_h: int,
     dilation_w: int,
+    offset_grad_rule: str = "torchvision",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     shape = _backward_shape(
         grad_output,
@@ -243,7 +251,7 @@ def _deform_conv2d_backward_fake(
         weight,
         mask,
         has_bias,
-        (stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w),
+        (stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, offset_grad_rule),
     )
     return (
         torch.empty_like(input, memory_format=torch.contiguous_format),
@@ -257,7 +265,7 @@ def _deform_conv2d_backward_fake(
 
 
 def _backward_shape(grad_output, input, offset, weight, mask, has_bias, params) -> ConvShape:
-    stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w = params
+    stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, offset_grad_rule = params
     bias = weight.new_empty(weight.shape[0]) if has_bias else None
     shape = check_arguments(
         input,
@@ -275,7 +283,17 @@ def _backward_shape(grad_output, input, offset, weight, mask, has_bias, params) 
             f"grad_output must be {input.dtype} of shape {list(expected)}, got "
             f"{grad_output.dtype} of shape {list(grad_output.shape)}"
         )
-    return shape
+    return dataclasses.replace(shape, offset_grad_rule=_checked_rule(offset_grad_rule))
+
+
+#: the boundary rules of the offset gradient (see ``ConvShape.offset_grad_rule``)
+OFFSET_GRAD_RULES = ("torchvision", "mmcv")
+
+
+def _checked_rule(rule: str) -> str:
+    if rule not in OFFSET_GRAD_RULES:
+        raise ArgumentError(f"offset_grad_rule must be one of {OFFSET_GRAD_RULES}, got {rule!r}")
+    return rule
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -403,7 +421,9 @@ def _pair(value: int | tuple[int, int] | list[int]) -> tuple[int, int]:
 
 
 @torch.jit.unused
-def _checked_call(input, offset, weight, bias, stride, padding, dilation, mask) -> torch.Tensor:
+def _checked_call(
+    input, offset, weight, bias, stride, padding, dilation, mask, offset_grad_rule="torchvision"
+) -> torch.Tensor:
     """The eager path of :func:`deform_conv2d`: the arguments are checked here, so that errors
     surface from the caller's line before dispatch. Under symbolic tracing (``torch.fx``, e.g.
     torchvision's feature extraction) the tensors are proxies: the op is recorded as one graph
@@ -426,5 +446,37 @@ def _checked_call(input, offset, weight, bias, stride, padding, dilation, mask) 
             same_dtype=not _autocast_enabled(input),
         )
     return torch.ops.tvm_deform.deform_conv2d(
-        input, offset, weight, bias, mask, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w
+        input,
+        offset,
+        weight,
+        bias,
+        mask,
+        stride_h,
+        stride_w,
+        pad_h,
+        pad_w,
+        dilation_h,
+        dilation_w,
+        offset_grad_rule,
+    )
+
+
+def deform_conv2d_with_offset_grad_rule(
+    input: torch.Tensor,
+    offset: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: int | tuple[int, int],
+    padding: int | tuple[int, int],
+    dilation: int | tuple[int, int],
+    mask: torch.Tensor | None,
+    offset_grad_rule: str,
+) -> torch.Tensor:
+    """:func:`deform_conv2d` with the boundary rule of the offset gradient chosen: "torchvision"
+    (what :func:`deform_conv2d` does) or "mmcv" (a sample point exactly at -1 gets a zero offset
+    gradient, as in mmcv; its modules in :mod:`tvm_deform.compat` use it). The forward result is
+    the same for both."""
+    _checked_rule(offset_grad_rule)
+    return _checked_call(
+        input, offset, weight, bias, stride, padding, dilation, mask, offset_grad_rule
     )
