@@ -297,14 +297,23 @@ MMCV_OFFSET_WEIGHT_GRAD = [
 MMCV_OFFSET_BIAS_GRAD = [-3.0, -1.5, -3.0, -1.5, -3.0, -1.5, -3.0, -1.5, 4.5, 4.5, 4.5, 4.5]
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_pack_module_gives_mmcvs_fixed_gradients(dtype):
+@pytest.mark.parametrize(
+    "dtype, autocast",
+    [
+        (torch.float64, None),
+        (torch.float32, None),
+        (torch.float16, None),
+        (torch.float32, torch.bfloat16),  # mmcv's AMP case, as a CPU autocast region
+    ],
+)
+def test_pack_module_gives_mmcvs_fixed_gradients(dtype, autocast):
     x = torch.tensor(MMCV_INPUT, dtype=dtype, requires_grad=True)
     layer = ModulatedDeformConv2dPack(1, 1, (2, 2), stride=1, padding=1, bias=False)
     layer.weight.data.fill_(1.0)
     layer.to(dtype)
-    out = layer(x)
-    out.sum().backward()
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        out = layer(x)
+    out.float().sum().backward()
     expect = {
         "output": (out, MMCV_OUTPUT),
         "input grad": (x.grad, MMCV_INPUT_GRAD),
@@ -313,7 +322,8 @@ def test_pack_module_gives_mmcvs_fixed_gradients(dtype):
         "offset conv bias grad": (layer.conv_offset.bias.grad, MMCV_OFFSET_BIAS_GRAD),
     }
     for name, (got, want) in expect.items():
-        assert torch.allclose(got.detach(), torch.tensor(want, dtype=dtype), rtol=1e-2), name
+        got = got.detach().double()
+        assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=1e-2), name
 
 
 def test_offset_grad_rule_differs_only_at_minus_one():
