@@ -98,6 +98,7 @@ def test_default_schedule_is_measured_and_wins_when_faster(tuned, tmp_path, monk
     # Give the default schedule a measurement faster than every tuned record: dispatch must
     # then use the default schedule.
     shutil.copytree(out, tmp_path / "logs")
+    (tmp_path / "logs" / key / dispatch.LOGS_DECISIONS).unlink()  # the tuner's rule alone
     default_dir = tmp_path / "logs" / key / logs.DEFAULT_SPACE
     db = ms.database.JSONDatabase(work_dir=str(default_dir), allow_missing=False)
     (record,) = db.get_top_k(db.commit_workload(logs.workload_module(TINY)), 1)
@@ -119,6 +120,7 @@ def without_default(out, tmp_path):
     copy = tmp_path / "logs"
     shutil.copytree(out, copy)
     shutil.rmtree(copy / build.hardware_key(build.host_target()) / logs.DEFAULT_SPACE)
+    (copy / build.hardware_key(build.host_target()) / dispatch.LOGS_DECISIONS).unlink()
     return copy
 
 
@@ -317,3 +319,26 @@ def test_trial_history_and_convergence_table(tuned):
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert float(cells[-2]) == pytest.approx(min(history), abs=1e-3)  # best after all trials
     assert 1 <= int(cells[-1]) <= len(history)
+
+
+def test_tuning_writes_a_choice_timed_through_the_op(tuned, tmp_path, monkeypatch, counted_measure):
+    *_, out = tuned
+    key = build.hardware_key(build.host_target())
+    decisions = json.loads((out / key / dispatch.LOGS_DECISIONS).read_text())
+    (entry,) = [e for e in decisions.values() if e["workload"] == "tiny"]
+    assert set(entry["median_ms"]) == {"default", "handwritten"}
+    assert entry["choice"] == min(entry["median_ms"], key=entry["median_ms"].get)
+    # Dispatch takes that choice without timing, and follows the file when it changes.
+    copy = tmp_path / "logs"
+    shutil.copytree(out, copy)
+    monkeypatch.setenv("TVM_DEFORM_LOGS", str(copy))
+    record = build.resolve(TINY, build.host_target())
+    assert (record is None) == (entry["choice"] == "default")
+    flipped = "default" if entry["choice"] != "default" else "handwritten"
+    path = copy / key / dispatch.LOGS_DECISIONS
+    path.write_text(
+        path.read_text().replace(f'"choice": "{entry["choice"]}"', f'"choice": "{flipped}"')
+    )
+    record = build.resolve(TINY, build.host_target())
+    assert (record is None) == (flipped == "default")
+    assert counted_measure == []

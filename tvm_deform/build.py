@@ -160,21 +160,22 @@ def resolve(
     """The tuned record ``shape``'s ``op`` runs with on ``target``, or None for the default
     schedule. ``tuned=None`` follows ``TVM_DEFORM_TUNED``; False always means the default.
 
-    The logs of ``target``'s own hardware key decide by their own measurements. Without them,
+    The logs of ``target``'s own hardware key decide: by the choice timed through the op at
+    tuning time when they hold one, else by the tuner's measurements. Without them,
     the records of compatible machines are timed here against the default schedule (once per
     shape; the decision is kept on disk, see :mod:`tvm_deform.dispatch`), unless
     ``TVM_DEFORM_MEASURE=0``, which then runs the default."""
     if not (env.tuned_enabled() if tuned is None else tuned):
         return None
     key = hardware_key(target)
+    from . import dispatch  # times kernels through the op, which imports this module
+
     own = logs.own_records(shape, target, key, op)
     if own:
-        return logs.fastest(own)
+        return dispatch.choose_own(shape, op, own)
     candidates = logs.foreign_records(shape, target, key, op)
     if not candidates or not env.measure_enabled():
         return None
-    from . import dispatch  # times kernels through the op, which imports this module
-
     return dispatch.pick(shape, target, op, candidates)
 
 

@@ -18,6 +18,7 @@ logs of this machine's own, which then decide without timing.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -38,6 +39,10 @@ from .inputs import random_inputs
 
 #: total seconds of timing per shape and op, shared by the candidates
 BUDGET_SECONDS = 1.0
+#: the same at tuning time, where the decision is written into the logs (see decide_for_logs)
+LOGS_BUDGET_SECONDS = 4.0
+#: the file beside a hardware key's design spaces that holds those decisions
+LOGS_DECISIONS = "decisions.json"
 #: runs per candidate at least, whatever the budget
 MIN_RUNS = 3
 
@@ -127,15 +132,19 @@ def pick(
 
 
 def measure(
-    shape: ConvShape, target: Target, op: str, options: dict[str, logs.TunedRecord | None]
+    shape: ConvShape,
+    target: Target,
+    op: str,
+    options: dict[str, logs.TunedRecord | None],
+    budget: float = BUDGET_SECONDS,
 ) -> dict[str, float]:
     """Median milliseconds of each option's kernel(s) for ``shape``'s ``op`` on random inputs,
-    called as the op calls them, in interleaved rounds."""
+    called as the op calls them, in interleaved rounds for about ``budget`` seconds."""
     runs = {name: _runner(shape, target, op, record) for name, record in options.items()}
     for run in runs.values():
         run()  # warm up (and fault in the library's pages)
     times: dict[str, list[float]] = {name: [] for name in runs}
-    deadline = time.perf_counter() + BUDGET_SECONDS
+    deadline = time.perf_counter() + budget
     while min(len(t) for t in times.values()) < MIN_RUNS or time.perf_counter() < deadline:
         for name, run in runs.items():
             begin = time.perf_counter()
@@ -163,6 +172,66 @@ def _runner(
     return lambda: ops.run_backward_cpu(shape, grad_output, x, offset, weight, mask, kernels)
 
 
+def _logs_key(shape: ConvShape, op: str, options: dict[str, logs.TunedRecord | None]) -> str:
+    """Names a decision in a log directory: the shape, the op and the records chosen among (not
+    the target or versions: the logs are for one hardware key, and records that still match
+    the definition are still the same schedules)."""
+    text = "\n".join(
+        [
+            json.dumps(dataclasses.asdict(shape), sort_keys=True),
+            op,
+            *sorted(f"{name}={'' if r is None else r.identity}" for name, r in options.items()),
+        ]
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def own_options(own: list[logs.TunedRecord]) -> dict[str, logs.TunedRecord | None]:
+    """The default schedule and the best record of each design space of one key's logs."""
+    return {"default": None} | {r.space: r for r in own if r.space != logs.DEFAULT_SPACE}
+
+
+def choose_own(shape: ConvShape, op: str, own: list[logs.TunedRecord]) -> logs.TunedRecord | None:
+    """The schedule this machine's own logs choose for ``shape``'s ``op``: the decision written
+    at tuning time by timing through the op (:func:`decide_for_logs`) when the logs hold one,
+    else the fastest by the tuner's own measurements (:func:`logs.fastest`)."""
+    options = own_options(own)
+    decision = _read_logs_decisions(own[0].directory.parent).get(_logs_key(shape, op, options))
+    if decision and decision.get("choice") in options:
+        return options[decision["choice"]]
+    return logs.fastest(own)
+
+
+def _read_logs_decisions(key_dir: Path) -> dict:
+    try:
+        return json.loads((key_dir / LOGS_DECISIONS).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def decide_for_logs(
+    key_dir: Path,
+    label: str,
+    shape: ConvShape,
+    target: Target,
+    op: str,
+    own: list[logs.TunedRecord],
+) -> dict:
+    """Time the default and each design space's best record of the logs at ``key_dir`` through
+    the op (MetaSchedule's runner has its own inputs and process, and its choice between close
+    candidates was often wrong), and write the winner into ``key_dir/decisions.json``."""
+    options = own_options(own)
+    times = measure(shape, target, op, options, LOGS_BUDGET_SECONDS)
+    entry = {
+        "workload": label,
+        "choice": min(times, key=times.__getitem__),
+        "median_ms": {name: round(ms, 4) for name, ms in times.items()},
+    }
+    decisions = _read_logs_decisions(key_dir) | {_logs_key(shape, op, options): entry}
+    (key_dir / LOGS_DECISIONS).write_text(json.dumps(decisions, indent=1, sort_keys=True) + "\n")
+    return entry
+
+
 def describe(shape: ConvShape, target: Target, op: str = "forward") -> str:
     """What ``shape``'s ``op`` runs on ``target`` and why, in words, without timing anything
     (for ``tvm-deform info``)."""
@@ -171,6 +240,12 @@ def describe(shape: ConvShape, target: Target, op: str = "forward") -> str:
     key = build.hardware_key(target)
     own = logs.own_records(shape, target, key, op)
     if own:
+        options = own_options(own)
+        decision = _read_logs_decisions(own[0].directory.parent).get(_logs_key(shape, op, options))
+        if decision and decision.get("choice") in options:
+            times = ", ".join(f"{n} {ms:.3f} ms" for n, ms in decision["median_ms"].items())
+            what = "default schedule" if decision["choice"] == "default" else decision["choice"]
+            return f"{what}: timed through the op when tuned here ({times})"
         best = logs.fastest(own)
         times = ", ".join(f"{r.space} {r.run_ms:.3f} ms" for r in own if r.run_ms)
         if best is None:

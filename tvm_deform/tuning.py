@@ -36,7 +36,16 @@ from tvm.target import Target
 
 from . import __version__, build
 from .definition import ConvShape
-from .logs import DEFAULT_SPACE, OPS, best_in, candidate_keys, log_roots, record_ms, workload_module
+from .logs import (
+    DEFAULT_SPACE,
+    OPS,
+    best_in,
+    candidate_keys,
+    find_records,
+    log_roots,
+    record_ms,
+    workload_module,
+)
 from .schedules.cpu import HandwrittenSpace, vector_bytes
 from .schedules.cpu_backward import BackwardSpace
 
@@ -342,7 +351,35 @@ def tune(
     if logs_dir is not None:
         kept = [*spaces, DEFAULT_SPACE] if measure_default else spaces
         write_pruned_logs(work_dir, logs_dir, workloads, kept, target, ops)
+        if build.hardware_key(target) == build.hardware_key(build.host_target()):
+            _decide_through_the_op(workloads, tasks, target, Path(logs_dir), progress)
     return results
+
+
+def _decide_through_the_op(
+    workloads: dict[str, ConvShape],
+    tasks: list[tuple[str, str]],
+    target: Target,
+    logs_dir: Path,
+    progress,
+) -> None:
+    """For each kernel, time the default and the best record of each space of the pruned logs
+    through the op, and write the winner beside them (see ``dispatch.decide_for_logs``)."""
+    from . import dispatch
+
+    key = build.hardware_key(target)
+    for name, op in tasks:
+        shape = workloads[name]
+        own = [
+            r
+            for r in find_records(shape, target, key, roots=[logs_dir], op=op)
+            if r.hardware_key == key
+        ]
+        if not any(r.space != DEFAULT_SPACE for r in own):
+            continue
+        entry = dispatch.decide_for_logs(logs_dir / key, label(name, op), shape, target, op, own)
+        times = ", ".join(f"{n} {ms:.3f} ms" for n, ms in entry["median_ms"].items())
+        progress(f"[{label(name, op)}] through the op: {entry['choice']} ({times})")
 
 
 def _first_measurements(
