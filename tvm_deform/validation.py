@@ -77,11 +77,8 @@ def check_arguments(
     stride: Pair,
     padding: Pair,
     dilation: Pair,
-    same_dtype: bool = True,
 ) -> ConvShape:
-    """Validate the arguments of ``deform_conv2d`` and return the shape they describe.
-    ``same_dtype=False`` (inside an autocast region, whose rule casts them) lets the float
-    dtypes differ."""
+    """Validate the arguments of ``deform_conv2d`` and return the shape they describe."""
     _check_tensor(input, "input", 4, "[N, C_in, H, W]")
     _check_tensor(offset, "offset", 4, "[N, 2 * offset_groups * kh * kw, out_h, out_w]")
     _check_tensor(weight, "weight", 4, "[C_out, C_in / groups, kh, kw]")
@@ -179,7 +176,7 @@ def check_arguments(
                 f"{name} must be float32, float64, float16 or bfloat16, got {tensor.dtype}"
             )
     for name, tensor in present.items():
-        if same_dtype and tensor.dtype != input.dtype:
+        if tensor.dtype != input.dtype:
             raise ArgumentTypeError(
                 f"{name} has dtype {tensor.dtype} but input has {input.dtype}: "
                 "all tensors must have the same dtype"
