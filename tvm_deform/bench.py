@@ -79,7 +79,7 @@ def measure_between(
         fn()
     times: list[float] = []
     start = time.perf_counter()
-    while len(times) < min_runs or time.perf_counter() - start < 0.3:
+    while len(times) < min_runs or time.perf_counter() - start < 0.1:
         before()
         begin = time.perf_counter()
         fn()
@@ -156,18 +156,46 @@ def compare_layer(
 
     candidates["conv2d (dense)"] = dense
     between = [DISPATCHED, *peers]
-    rows = []
+    timed = {label: fn for label, fn in candidates.items()}
+    timed |= {
+        label + BETWEEN: functools.partial(measure_between, candidates[label], dense)
+        for label in between
+    }
     with torch.no_grad():
         expected = candidates["torchvision"]()
-        for implementation, fn in candidates.items():
-            error = None if fn is dense else relative_error(fn(), expected)
-            # torchvision is 10-30x slower than the rest: fewer runs keep the total time sane.
-            runs = 5 if implementation == "torchvision" else 10
-            rows.append(Row(name, implementation, measure(fn, min_runs=runs), error))
-            if implementation in between:
-                timing = measure_between(fn, dense)
-                rows.append(Row(name, implementation + BETWEEN, timing, error))
-    return rows
+        errors = {
+            label: None if fn is dense else relative_error(fn(), expected)
+            for label, fn in candidates.items()
+        }
+        # Interleaved rounds: every implementation is timed in each round, so that a slow
+        # stretch of this shared machine does not fall on one implementation alone.
+        rounds: dict[str, list[Timing]] = {label: [] for label in timed}
+        for _ in range(ROUNDS):
+            for label, fn in timed.items():
+                if label.endswith(BETWEEN):
+                    rounds[label].append(fn(min_runs=4))
+                else:
+                    # torchvision is 10-30x slower than the rest: fewer runs keep the total sane.
+                    runs = 2 if label == "torchvision" else 4
+                    rounds[label].append(measure(fn, warmup=1, min_runs=runs, min_seconds=0.1))
+    return [
+        Row(name, label, combine(rounds[label]), errors[label.removesuffix(BETWEEN)])
+        for label in timed
+    ]
+
+
+#: rounds of :func:`compare_layer`
+ROUNDS = 3
+
+
+def combine(timings: list[Timing]) -> Timing:
+    """One timing from several rounds: the median of their medians and of their quantiles."""
+    return Timing(
+        statistics.median(t.median_ms for t in timings),
+        statistics.median(t.p20_ms for t in timings),
+        statistics.median(t.p80_ms for t in timings),
+        sum(t.runs for t in timings),
+    )
 
 
 #: the inputs a training step differentiates (all of them, as in a DCN layer being fine-tuned)

@@ -1,12 +1,13 @@
 """``tvm-deform compare``: schedule performance side by side, as a table, a data file and a plot.
 
 Method (also in the README): every implementation runs on the same random inputs (offsets
-``2 * N(0, 1)``, masks ``U[0, 1)``) in one process; each is called once to compile and warm up,
-then timed until at least 10 runs (5 for torchvision) and 0.3 s, reporting the median and the
-20th/80th percentiles; its output is checked against torchvision's in the same run. The machine's
-peak is measured in the same run as the fastest of 8 large dense float32 GEMMs (torch.mm,
-3072^3) at the same thread count, not taken from a datasheet; oneDNN's dense conv2d can exceed it
-(it did here: about 200 against 150-180 GFLOP/s).
+``2 * N(0, 1)``, masks ``U[0, 1)``) in one process and is checked against torchvision's output in
+the same run. The timing runs in three interleaved rounds (every implementation in each round, at
+least 4 runs and 0.1 s each, 2 runs for torchvision); a row reports the median of the rounds'
+medians and of their 20th/80th percentiles. ``tvm_deform`` is the public op as users call it;
+"between conv2d" rows call each run right after a dense conv2d of the layer. The machine's peak
+is measured in the same run as the fastest of 8 large dense float32 GEMMs (torch.mm, 3072^3) at
+the same thread count, not taken from a datasheet; oneDNN's dense conv2d can exceed it.
 """
 
 from __future__ import annotations
