@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, build
+from . import __version__, build, dispatch, logs
 from .bench import BETWEEN, DISPATCHED, Row, compare_layer
 from .definition import ConvShape
 
@@ -63,6 +63,18 @@ def environment() -> dict[str, object]:
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def own_logs_line() -> str:
+    """Whether this machine has tuning logs of its own, in words."""
+    target = build.host_target()
+    key = build.hardware_key(target)
+    if any((root / key).is_dir() for root in logs.log_roots()):
+        return f"tuning logs of this machine's own: {key}"
+    return (
+        f"no tuning logs of this machine's own ({key}): other machines' records are timed "
+        "here against the default schedule at a shape's first use"
+    )
 
 
 def rows_for_layer(
@@ -111,9 +123,13 @@ def run(
     try:
         peak = measure_peak_gflops()
         progress(f"machine peak (dense float32 GEMM, {env['threads']} threads): {peak:.0f} GFLOP/s")
+        progress(own_logs_line())
         for index, (name, shape) in enumerate(workloads.items(), start=1):
             progress(f"[{index}/{len(workloads)}] {name}")
             measured = compare_layer(name, shape, peers, other_logs)
+            # After the timing: the first call made any decision that was still to be made.
+            target = build.host_target()
+            progress(f"  deform_conv2d runs here: {dispatch.describe(shape, target)}")
             records += rows_for_layer(name, shape, measured, peak, env)
     except KeyboardInterrupt:
         progress("interrupted: writing what was measured so far")
