@@ -325,7 +325,7 @@ def test_tuning_writes_a_choice_timed_through_the_op(tuned, tmp_path, monkeypatc
     *_, out = tuned
     key = build.hardware_key(build.host_target())
     decisions = json.loads((out / key / dispatch.LOGS_DECISIONS).read_text())
-    (entry,) = [e for e in decisions.values() if e["workload"] == "tiny"]
+    (entry,) = [e for e in decisions.values() if e["workload"] == "tiny"]  # the latest only
     assert set(entry["median_ms"]) == {"default", "handwritten"}
     assert entry["choice"] == min(entry["median_ms"], key=entry["median_ms"].get)
     # Dispatch takes that choice without timing, and follows the file when it changes.

@@ -227,7 +227,9 @@ def decide_for_logs(
         "choice": min(times, key=times.__getitem__),
         "median_ms": {name: round(ms, 4) for name, ms in times.items()},
     }
-    decisions = _read_logs_decisions(key_dir) | {_logs_key(shape, op, options): entry}
+    # An earlier decision for the same workload was among other records: it is stale.
+    kept = {k: e for k, e in _read_logs_decisions(key_dir).items() if e.get("workload") != label}
+    decisions = kept | {_logs_key(shape, op, options): entry}
     (key_dir / LOGS_DECISIONS).write_text(json.dumps(decisions, indent=1, sort_keys=True) + "\n")
     return entry
 

@@ -42,6 +42,7 @@ from .logs import (
     best_in,
     candidate_keys,
     find_records,
+    forget_databases,
     log_roots,
     record_ms,
     workload_module,
@@ -536,4 +537,5 @@ def write_pruned_logs(
     )
     out_root.mkdir(parents=True, exist_ok=True)
     manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    forget_databases()  # databases read from the replaced directories are stale now
     return out_root
