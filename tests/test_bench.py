@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tvm_deform.bench import compare_layer, measure, measure_between, relative_error
+from tvm_deform.bench import compare_layer, measure, relative_error
 from tvm_deform.cli import main
 from tvm_deform.definition import ConvShape
 from tvm_deform.peers import available_peers
@@ -20,7 +20,7 @@ def test_measure_reports_ordered_quantiles():
 
 def test_measure_between_times_only_the_call_after_the_other():
     calls = []
-    timing = measure_between(lambda: calls.append("fn"), lambda: calls.append("before"))
+    timing = measure(lambda: calls.append("fn"), before=lambda: calls.append("before"))
     assert timing.runs >= 10
     assert calls[:4] == ["before", "fn", "before", "fn"] and calls.count("fn") == calls.count(
         "before"

@@ -34,17 +34,31 @@ class Timing:
 
 
 def measure(
-    fn: Callable[[], object], warmup: int = 2, min_runs: int = 10, min_seconds: float = 0.3
+    fn: Callable[[], object],
+    warmup: int = 2,
+    min_runs: int = 10,
+    min_seconds: float = 0.3,
+    before: Callable[[], object] | None = None,
 ) -> Timing:
-    """Median and 20/80 percentiles of ``fn``'s wall time, after ``warmup`` calls."""
-    for _ in range(warmup):
+    """Median and 20/80 percentiles of ``fn``'s wall time, after ``warmup`` calls.
+
+    With ``before`` (a torch op), each call of ``fn`` follows an untimed call of it, as a layer
+    runs inside a model: whatever ``before`` leaves running (torch's OpenMP workers spin for a
+    while after their region) meets ``fn``."""
+
+    def call() -> float:
+        if before is not None:
+            before()
+        begin = time.perf_counter()
         fn()
+        return time.perf_counter() - begin
+
+    for _ in range(warmup):
+        call()
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < min_runs or time.perf_counter() - start < min_seconds:
-        begin = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - begin)
+        times.append(call())
         if len(times) >= 1000:
             break
     times.sort()
@@ -66,29 +80,6 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """``|actual - expected| / |expected|`` in float64 (Frobenius norms)."""
     actual, expected = actual.double(), expected.double()
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-300))
-
-
-def measure_between(
-    fn: Callable[[], object], before: Callable[[], object], min_runs: int = 10
-) -> Timing:
-    """Like :func:`measure`, but each timed call of ``fn`` follows a call of ``before`` (a torch
-    op), as a layer runs inside a model: whatever ``before`` leaves running (torch's OpenMP
-    workers spin for a while after their region) meets ``fn``. Only ``fn`` is timed."""
-    for _ in range(2):
-        before()
-        fn()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < min_runs or time.perf_counter() - start < 0.1:
-        before()
-        begin = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - begin)
-        if len(times) >= 1000:
-            break
-    times.sort()
-    pick = lambda q: times[min(len(times) - 1, int(q * len(times)))] * 1e3  # noqa: E731
-    return Timing(statistics.median(times) * 1e3, pick(0.2), pick(0.8), len(times))
 
 
 #: the row of our op as users call it, and its suffix in the mode between torch ops
@@ -156,32 +147,24 @@ def compare_layer(
 
     candidates["conv2d (dense)"] = dense
     between = [DISPATCHED, *peers]
-    timed = {label: fn for label, fn in candidates.items()}
-    timed |= {
-        label + BETWEEN: functools.partial(measure_between, candidates[label], dense)
-        for label in between
-    }
+    # Interleaved rounds: every implementation is timed in each round, so that a slow stretch
+    # of this shared machine does not fall on one implementation alone. torchvision is 10-30x
+    # slower than the rest: fewer runs keep the total sane.
+    timed = [(label, label, None) for label in candidates]
+    timed += [(label + BETWEEN, label, dense) for label in between]
     with torch.no_grad():
         expected = candidates["torchvision"]()
         errors = {
             label: None if fn is dense else relative_error(fn(), expected)
             for label, fn in candidates.items()
         }
-        # Interleaved rounds: every implementation is timed in each round, so that a slow
-        # stretch of this shared machine does not fall on one implementation alone.
-        rounds: dict[str, list[Timing]] = {label: [] for label in timed}
+        rounds: dict[str, list[Timing]] = {row: [] for row, _, _ in timed}
         for _ in range(ROUNDS):
-            for label, fn in timed.items():
-                if label.endswith(BETWEEN):
-                    rounds[label].append(fn(min_runs=4))
-                else:
-                    # torchvision is 10-30x slower than the rest: fewer runs keep the total sane.
-                    runs = 2 if label == "torchvision" else 4
-                    rounds[label].append(measure(fn, warmup=1, min_runs=runs, min_seconds=0.1))
-    return [
-        Row(name, label, combine(rounds[label]), errors[label.removesuffix(BETWEEN)])
-        for label in timed
-    ]
+            for row, label, before in timed:
+                runs = 2 if label == "torchvision" else 4
+                timing = measure(candidates[label], 1, runs, 0.1, before)
+                rounds[row].append(timing)
+    return [Row(name, row, combine(rounds[row]), errors[label]) for row, label, _ in timed]
 
 
 #: rounds of :func:`compare_layer`

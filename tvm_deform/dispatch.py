@@ -195,11 +195,16 @@ def choose_own(shape: ConvShape, op: str, own: list[logs.TunedRecord]) -> logs.T
     """The schedule this machine's own logs choose for ``shape``'s ``op``: the decision written
     at tuning time by timing through the op (:func:`decide_for_logs`) when the logs hold one,
     else the fastest by the tuner's own measurements (:func:`logs.fastest`)."""
+    decision = own_decision(shape, op, own)
+    return own_options(own)[decision["choice"]] if decision else logs.fastest(own)
+
+
+def own_decision(shape: ConvShape, op: str, own: list[logs.TunedRecord]) -> dict | None:
+    """The decision that this machine's own logs (``own``) hold for ``shape``'s ``op``, if it was
+    made among the records they hold now."""
     options = own_options(own)
     decision = _read_logs_decisions(own[0].directory.parent).get(_logs_key(shape, op, options))
-    if decision and decision.get("choice") in options:
-        return options[decision["choice"]]
-    return logs.fastest(own)
+    return decision if decision and decision.get("choice") in options else None
 
 
 def _read_logs_decisions(key_dir: Path) -> dict:
@@ -242,9 +247,8 @@ def describe(shape: ConvShape, target: Target, op: str = "forward") -> str:
     key = build.hardware_key(target)
     own = logs.own_records(shape, target, key, op)
     if own:
-        options = own_options(own)
-        decision = _read_logs_decisions(own[0].directory.parent).get(_logs_key(shape, op, options))
-        if decision and decision.get("choice") in options:
+        decision = own_decision(shape, op, own)
+        if decision:
             times = ", ".join(f"{n} {ms:.3f} ms" for n, ms in decision["median_ms"].items())
             what = "default schedule" if decision["choice"] == "default" else decision["choice"]
             return f"{what}: timed through the op when tuned here ({times})"

@@ -129,6 +129,22 @@ def run_backward_cpu(
     return grad_input, grad_offset, grad_mask, grad_weight, grad_bias
 
 
+def _op_shape(input, offset, weight, bias, mask, *params: int) -> ConvShape:
+    """:func:`check_arguments` for the ops' flat geometry arguments (stride_h, stride_w, pad_h,
+    pad_w, dilation_h, dilation_w)."""
+    stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w = params
+    return check_arguments(
+        input,
+        offset,
+        weight,
+        bias,
+        mask,
+        (stride_h, stride_w),
+        (pad_h, pad_w),
+        (dilation_h, dilation_w),
+    )
+
+
 @torch.library.custom_op("tvm_deform::deform_conv2d", mutates_args=())
 def _deform_conv2d(
     input: torch.Tensor,
@@ -145,15 +161,8 @@ def _deform_conv2d(
     offset_grad_rule: str = "torchvision",
 ) -> torch.Tensor:
     _checked_rule(offset_grad_rule)
-    shape = check_arguments(
-        input,
-        offset,
-        weight,
-        bias,
-        mask,
-        (stride_h, stride_w),
-        (pad_h, pad_w),
-        (dilation_h, dilation_w),
+    shape = _op_shape(
+        input, offset, weight, bias, mask, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w
     )
     if input.device.type not in ("cpu", "cuda"):
         raise NotImplementedError(
@@ -179,15 +188,8 @@ def _deform_conv2d_fake(
     offset_grad_rule: str = "torchvision",
 ) -> torch.Tensor:
     _checked_rule(offset_grad_rule)
-    shape = check_arguments(
-        input,
-        offset,
-        weight,
-        bias,
-        mask,
-        (stride_h, stride_w),
-        (pad_h, pad_w),
-        (dilation_h, dilation_w),
+    shape = _op_shape(
+        input, offset, weight, bias, mask, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w
     )
     return input.new_empty((shape.batch, shape.out_channels, shape.out_h, shape.out_w))
 
@@ -267,15 +269,8 @@ def _deform_conv2d_backward_fake(
 def _backward_shape(grad_output, input, offset, weight, mask, has_bias, params) -> ConvShape:
     stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, offset_grad_rule = params
     bias = weight.new_empty(weight.shape[0]) if has_bias else None
-    shape = check_arguments(
-        input,
-        offset,
-        weight,
-        bias,
-        mask,
-        (stride_h, stride_w),
-        (pad_h, pad_w),
-        (dilation_h, dilation_w),
+    shape = _op_shape(
+        input, offset, weight, bias, mask, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w
     )
     expected = (shape.batch, shape.out_channels, shape.out_h, shape.out_w)
     if tuple(grad_output.shape) != expected or grad_output.dtype != input.dtype:
@@ -428,15 +423,18 @@ def _checked_call(
     dilation_h, dilation_w = as_pair(dilation, "dilation")
     tensors = (input, offset, weight, bias, mask)
     if not all(t is None or isinstance(t, (torch.Tensor, torch.fx.Proxy)) for t in tensors):
-        check_arguments(
+        _op_shape(
             input,
             offset,
             weight,
             bias,
             mask,
-            (stride_h, stride_w),
-            (pad_h, pad_w),
-            (dilation_h, dilation_w),
+            stride_h,
+            stride_w,
+            pad_h,
+            pad_w,
+            dilation_h,
+            dilation_w,
         )
     return torch.ops.tvm_deform.deform_conv2d(
         input,
