@@ -300,11 +300,16 @@ def test_own_logs_decide_without_timing(tuned, tmp_path, monkeypatch, counted_me
     logs_dir = foreign_logs(out, tmp_path)
     shutil.copytree(out, logs_dir, dirs_exist_ok=True)  # this machine's own key beside it
     monkeypatch.setenv("TVM_DEFORM_LOGS", str(logs_dir))
-    record = build.resolve(TINY, build.host_target())
-    own = logs.fastest(
-        logs.own_records(TINY, build.host_target(), build.hardware_key(build.host_target()))
-    )
-    assert dispatch.option_name(record) == dispatch.option_name(own)
+    target = build.host_target()
+    record = build.resolve(TINY, target)
+    # The choice written at tuning time (timed through the op) decides; the foreign records
+    # beside it are neither timed nor chosen.
+    own = logs.own_records(TINY, target, build.hardware_key(target))
+    decision = dispatch.own_decision(TINY, "forward", own)
+    assert decision is not None
+    expected = dispatch.own_options(own)[decision["choice"]]
+    assert dispatch.option_name(record) == dispatch.option_name(expected)
+    assert "elsewhere" not in dispatch.option_name(record)
     assert counted_measure == []
 
 
