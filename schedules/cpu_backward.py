@@ -61,14 +61,22 @@ def _vectorize_pixels(sch: s_tir.Schedule, p_inner, write_back, tile) -> None:
         sch.vectorize(sch.get_loops(write_back)[-1])
 
 
-def is_backward(sch: s_tir.Schedule) -> bool:
-    """Whether ``sch`` holds :func:`tvm_deform.definition.backward`'s PrimFunc."""
+def _block(sch: s_tir.Schedule, name: str):
+    """The block ``name`` of ``sch``, or None when the PrimFunc has no such stage."""
     try:
-        for name in ("grad_columns", "sampling_grad", "weight_sum", "grad_coef"):
-            sch.get_sblock(name)
+        return sch.get_sblock(name)
     except Exception:  # noqa: BLE001 - a missing block raises
-        return False
-    return True
+        return None
+
+
+#: the stages of which :func:`tvm_deform.definition.backward` holds at least one (the others
+#: are left out when their gradients are not asked for)
+BACKWARD_STAGES = ("grad_columns", "sampling_grad", "weight_sum")
+
+
+def is_backward(sch: s_tir.Schedule) -> bool:
+    """Whether ``sch`` holds one of :func:`tvm_deform.definition.backward`'s PrimFuncs."""
+    return any(_block(sch, name) is not None for name in BACKWARD_STAGES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,29 +157,39 @@ class BackwardSpace:
 
 
 def backward_extents(sch: s_tir.Schedule) -> tuple[int, int, int, int]:
-    """(input channels, padded pixels, output channels, taps) of the backward PrimFunc."""
-    _, channels, taps, pixels, _ = extents(sch, sch.get_loops(sch.get_sblock("grad_columns")))
-    outputs = extents(sch, sch.get_loops(sch.get_sblock("weight_sum")))[0]
+    """(input channels, padded pixels, output channels, taps) of the backward PrimFunc (output
+    channels 1 when it has no ``weight_sum``, which alone uses them)."""
+    columns = _block(sch, "grad_columns")
+    if columns is None:
+        columns = sch.get_sblock("columns")
+    _, channels, taps, pixels = extents(sch, sch.get_loops(columns))[:4]
+    weight_sum = _block(sch, "weight_sum")
+    outputs = extents(sch, sch.get_loops(weight_sum))[0] if weight_sum is not None else 1
     return channels, pixels, outputs, taps
 
 
 def backward_lanes(sch: s_tir.Schedule, target: Target) -> int:
     """Vector lanes of the accumulator dtype on ``target``."""
-    acc = str(sch.get(sch.get_sblock("grad_columns")).writes[0].source.dtype)
+    acc = str(sch.get(sch.get_sblock("sample_coef")).writes[0].source.dtype)
     return vector_lanes(target, acc)
 
 
 def apply_backward_structure(sch: s_tir.Schedule, lanes: int, choices: BackwardChoices) -> None:
-    """Schedule the backward PrimFunc in ``sch`` with the structure of the module docstring."""
-    _grad_columns(sch, choices.channel_block, choices.columns_tile)
-    _sampling_grad(sch, choices.sampling_tile)
-    _weight_sum(sch, lanes, choices.weight_block)
+    """Schedule the backward PrimFunc in ``sch`` with the structure of the module docstring;
+    the stages it does not hold are skipped."""
+    if _block(sch, "grad_columns") is not None:
+        _grad_columns(sch, choices.channel_block, choices.columns_tile)
+    if _block(sch, "sampling_grad") is not None:
+        _sampling_grad(sch, choices.sampling_tile)
+    if _block(sch, "weight_sum") is not None:
+        _weight_sum(sch, lanes, choices.weight_block)
     for name in ("sample_rows", "sample_cols", "sample_coef", "grad_coef", "columns"):
-        _elementwise(sch, sch.get_sblock(name), lanes)
+        block = _block(sch, name)
+        if block is not None:
+            _elementwise(sch, block, lanes)
     for name in ("grad_offset", "grad_mask", "grad_weight", "bias_sum", "grad_bias"):
-        try:
-            block = sch.get_sblock(name)
-        except Exception:  # noqa: BLE001 - grad_mask and the bias stages are optional
+        block = _block(sch, name)
+        if block is None:
             continue
         if name == "bias_sum":
             sch.parallel(sch.get_loops(block)[0])
@@ -240,9 +258,8 @@ class DefaultCPUGradInput:
 
     def apply(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
         sch = s_tir.Schedule(func)
-        try:
-            block = sch.get_sblock("grad_input")
-        except Exception:  # noqa: BLE001 - not the grad_input PrimFunc
+        block = _block(sch, "grad_input")
+        if block is None:  # not the grad_input PrimFunc
             return None
         n, c = sch.get_loops(block)[:2]
         sch.parallel(sch.fuse(n, c))

@@ -8,7 +8,8 @@ import torchvision.ops
 from conftest import assert_close
 from inputs import CONFIGS, make_inputs
 
-from tvm_deform import DeformConv2d, deform_conv2d
+from tvm_deform import DeformConv2d, build, deform_conv2d
+from tvm_deform.definition import Gradients
 
 DIFFERENTIABLE = ("input", "offset", "weight", "bias", "mask")
 
@@ -32,7 +33,7 @@ def assert_gradients_close(ours: dict, theirs: dict, rtol: float, label: str = "
     assert ours.keys() == theirs.keys()
     for name in ours:
         assert ours[name] is not None, f"no gradient for {name}"
-        assert ours[name].dtype == theirs[name].dtype or label, name
+        assert ours[name].dtype == theirs[name].dtype, f"{label} grad_{name} dtype"
         assert_close(ours[name], theirs[name], rtol, f"{label} grad_{name}")
 
 
@@ -252,9 +253,10 @@ def test_backward_op_checks_grad_output():
         )
 
 
-def test_torch_compile_fullgraph_backward():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph_backward(backend):
     args = make_inputs(CONFIGS[2] | dict(use_mask=True, use_bias=True), torch.float32)
-    compiled = torch.compile(deform_conv2d, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(deform_conv2d, fullgraph=True, backend=backend)
     out_c, compiled_grads = gradients(compiled, args)
     out_e, eager_grads = gradients(deform_conv2d, args)
     assert torch.equal(out_c, out_e)
@@ -262,12 +264,46 @@ def test_torch_compile_fullgraph_backward():
         assert torch.equal(compiled_grads[name], eager_grads[name]), name
 
 
-def test_gradients_only_for_inputs_that_require_them():
+# Subsets of the differentiable arguments that require gradients, covering every kernel variant.
+REQUIRED = [
+    ("weight",),
+    ("bias",),
+    ("input",),
+    ("offset",),
+    ("mask", "weight"),
+    ("input", "offset", "mask"),
+    ("input", "weight", "bias"),
+]
+
+
+@pytest.mark.parametrize("required", REQUIRED, ids=["+".join(r) for r in REQUIRED])
+def test_backward_computes_only_the_gradients_asked_for(required, monkeypatch):
     args = make_inputs(CONFIGS[0] | dict(use_mask=True, use_bias=True), torch.float32)
-    weight = args["weight"].clone().requires_grad_()
-    out = deform_conv2d(**(args | dict(weight=weight)))
-    out.sum().backward()
-    assert weight.grad is not None and weight.grad.shape == weight.shape
+    _, full = gradients(deform_conv2d, args)
+    asked = []
+    get_backward = build.get_backward
+
+    def spy(shape, *rest, gradients, **kwargs):
+        asked.append(gradients)
+        return get_backward(shape, *rest, gradients=gradients, **kwargs)
+
+    monkeypatch.setattr(build, "get_backward", spy)
+    leaves = {name: args[name].detach().clone().requires_grad_(name in required) for name in full}
+    output = deform_conv2d(**(args | leaves))
+    g = torch.Generator().manual_seed(1)
+    output.backward(torch.randn(output.shape, generator=g, dtype=torch.float64).float())
+    assert asked == [
+        Gradients(
+            input="input" in required,
+            sampling="offset" in required or "mask" in required,
+            weight="weight" in required or "bias" in required,
+        )
+    ]
+    for name, leaf in leaves.items():
+        if name in required:
+            assert torch.equal(leaf.grad, full[name]), name
+        else:
+            assert leaf.grad is None, name
 
 
 class TinyDetector(torch.nn.Module):

@@ -81,12 +81,19 @@ def test_half_precision_matches_upcast_reference(cfg, dtype, rtol):
 
 
 def test_half_precision_accumulates_in_float32():
-    # 4096 products of 1 + 2**-11: a float16 accumulator stalls at 4096, float32 gives 4098.
+    # 4096 products of 1 + 2**-10 (exact in float16). Summed in float32, every partial sum is
+    # exact and the total, 4100, is a float16 number. A float16 accumulator falls behind once
+    # its spacing exceeds 2 (from 2048 on, each addition rounds to the nearer multiple of 2,
+    # then of 4), and ends below 4100.
     data = torch.full((1, 4096, 1, 1), 1.0, dtype=torch.float16)
     weight = torch.full((1, 4096, 1, 1), 1.0 + 2.0**-10, dtype=torch.float16)
     offset = torch.zeros(1, 2, 1, 1, dtype=torch.float16)
     out = deform_conv2d(data, offset, weight)
-    assert out.item() == pytest.approx(4096 * (1 + 2.0**-10), rel=1e-3)
+    assert out.item() == 4100.0
+    in_float16 = torch.zeros((), dtype=torch.float16)
+    for value in (data.flatten() * weight.flatten()).tolist():
+        in_float16 += value
+    assert in_float16.item() < 4100.0
 
 
 # Sample points along one axis exercising every branch of the bilinear rule.
@@ -245,9 +252,10 @@ def test_opcheck():
         )
 
 
-def test_torch_compile_fullgraph():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph(backend):
     args = make_inputs(CONFIGS[2] | dict(use_mask=True, use_bias=True), torch.float32)
-    compiled = torch.compile(deform_conv2d, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(deform_conv2d, fullgraph=True, backend=backend)
     assert torch.equal(compiled(**args), deform_conv2d(**args))
 
 

@@ -44,10 +44,11 @@ Kernel = Callable[..., None]
 class BackwardKernels(NamedTuple):
     """The two compiled backward kernels of one shape, run in this order."""
 
-    #: ``deform_conv2d_backward``: every gradient but the input's, and the workspaces
+    #: ``deform_conv2d_backward``: every gradient asked for but the input's, and the workspaces
     gradients: Kernel
-    #: ``deform_conv2d_grad_input``: the input's gradient, from those workspaces
-    grad_input: Kernel
+    #: ``deform_conv2d_grad_input``: the input's gradient, from those workspaces (None when the
+    #: input's gradient is not asked for)
+    grad_input: Kernel | None
 
 
 @functools.cache
@@ -190,14 +191,19 @@ def target_isa(target: Target) -> str:
     return "sse"
 
 
-def default_schedule(shape: ConvShape, target: Target, op: str = "forward") -> s_tir.Schedule:
-    """``shape``'s ``op`` PrimFunc ("forward", or "backward": the gradients kernel) under the
-    default schedule of ``target``'s kind."""
+def default_schedule(
+    shape: ConvShape,
+    target: Target,
+    op: str = "forward",
+    gradients: definition.Gradients = definition.ALL_GRADIENTS,
+) -> s_tir.Schedule:
+    """``shape``'s ``op`` PrimFunc ("forward", or "backward": the gradients kernel, computing
+    ``gradients``) under the default schedule of ``target``'s kind."""
     if op == "forward":
         rule = DefaultCUDA() if target.kind.name == "cuda" else DefaultCPU()
         func = definition.forward(shape)
     elif op == "backward" and target.kind.name != "cuda":
-        rule, func = DefaultCPUBackward(), definition.backward(shape)
+        rule, func = DefaultCPUBackward(), definition.backward(shape, gradients)
     else:
         raise NotImplementedError(f"no default {op} schedule for {target.kind.name}")
     sch = rule.apply(func, target)
@@ -278,24 +284,31 @@ def nvcc_build(source: str, arch: str, nvcc: str = "nvcc") -> CudaBuild:
 
 
 def compile_backward(
-    shape: ConvShape, target: Target, record: logs.TunedRecord | None = None
+    shape: ConvShape,
+    target: Target,
+    record: logs.TunedRecord | None = None,
+    gradients: definition.Gradients = definition.ALL_GRADIENTS,
 ) -> tvm.runtime.Module:
-    """Compile the two backward kernels of ``shape`` for ``target`` into one module: the
-    gradients kernel with ``record``'s tuned schedule when given, else the default one; the
-    input's scatter kernel with its default schedule."""
+    """Compile the backward kernels of ``shape`` for ``target`` that compute ``gradients``
+    into one module: the gradients kernel with ``record``'s tuned schedule when given (records
+    are of the kernel computing all gradients), else the default one; the input's scatter
+    kernel, when the input's gradient is asked for, with its default schedule."""
     if record is not None:
-        gradients = logs.tuned_schedule(shape, record, "backward")
+        if gradients != definition.ALL_GRADIENTS:
+            raise ValueError("tuned records are of the backward that computes every gradient")
+        sch = logs.tuned_schedule(shape, record, "backward")
     else:
-        gradients = default_schedule(shape, target, "backward")
-    scatter = DefaultCPUGradInput().apply(definition.grad_input(shape), target)
-    if scatter is None:
-        raise RuntimeError(f"no backward schedule applies to {shape}")
+        sch = default_schedule(shape, target, "backward", gradients)
     functions = {
-        "deform_conv2d_backward": gradients.mod["main"].with_attr(
+        "deform_conv2d_backward": sch.mod["main"].with_attr(
             "global_symbol", "deform_conv2d_backward"
-        ),
-        "deform_conv2d_grad_input": scatter.mod["main"],
+        )
     }
+    if gradients.input:
+        scatter = DefaultCPUGradInput().apply(definition.grad_input(shape), target)
+        if scatter is None:
+            raise RuntimeError(f"no backward schedule applies to {shape}")
+        functions["deform_conv2d_grad_input"] = scatter.mod["main"]
     return tvm.compile(tvm.IRModule(functions), target=target)
 
 
@@ -352,31 +365,51 @@ def load_kernel(shape: ConvShape, target: Target, record: logs.TunedRecord | Non
 
 
 def get_backward(
-    shape: ConvShape, target: Target | None = None, tuned: bool | None = None
+    shape: ConvShape,
+    target: Target | None = None,
+    tuned: bool | None = None,
+    gradients: definition.Gradients = definition.ALL_GRADIENTS,
 ) -> BackwardKernels:
-    """The compiled backward kernels of ``shape``, with the tuned schedule the logs hold for
-    its gradients kernel if any; looked up and cached like :func:`get_kernel`'s."""
+    """The compiled backward kernels of ``shape`` that compute ``gradients``, looked up and
+    cached like :func:`get_kernel`'s. The kernel computing all of them runs with the tuned
+    schedule the logs hold for it if any; one that leaves gradients out runs its default
+    schedule (it skips whole stages, which is worth more than a tuned schedule of them)."""
     target = target or host_target()
     tuned = env.tuned_enabled() if tuned is None else tuned
 
     def load() -> BackwardKernels:
+        if gradients != definition.ALL_GRADIENTS:
+            return load_backward(shape, target, None, gradients)
         return load_backward(shape, target, resolve(shape, target, tuned, "backward"))
 
-    key = ("backward", shape, str(target), tuned, env.user_logs_dir(), env.launcher_enabled())
+    key = (
+        "backward",
+        shape,
+        gradients,
+        str(target),
+        tuned,
+        env.user_logs_dir(),
+        env.launcher_enabled(),
+    )
     return _memoised(key, load)
 
 
 def load_backward(
-    shape: ConvShape, target: Target, record: logs.TunedRecord | None = None
+    shape: ConvShape,
+    target: Target,
+    record: logs.TunedRecord | None = None,
+    gradients: definition.Gradients = definition.ALL_GRADIENTS,
 ) -> BackwardKernels:
-    """The backward kernels of ``shape`` with ``record``'s schedule for the gradients kernel
-    (None: the default), through the disk cache, not memoised."""
+    """The backward kernels of ``shape`` computing ``gradients``, with ``record``'s schedule for
+    the gradients kernel (None: the default), through the disk cache, not memoised."""
     schedule = "default" if record is None else record.identity
+    op = "backward" if gradients == definition.ALL_GRADIENTS else f"backward_{gradients.name}"
     module = _load_module(
-        cache_path(shape, target, schedule, op="backward"),
-        lambda: compile_backward(shape, target, record),
+        cache_path(shape, target, schedule, op=op),
+        lambda: compile_backward(shape, target, record, gradients),
     )
-    return BackwardKernels(module["deform_conv2d_backward"], module["deform_conv2d_grad_input"])
+    scatter = module["deform_conv2d_grad_input"] if gradients.input else None
+    return BackwardKernels(module["deform_conv2d_backward"], scatter)
 
 
 #: set once a CPU kernel runs on TVM's own thread pool (launcher off or unavailable, or a kernel

@@ -364,8 +364,39 @@ def forward(shape: ConvShape) -> tirx.PrimFunc:
     return func.with_attr("global_symbol", "deform_conv2d")
 
 
-def backward_buffer_shapes(shape: ConvShape) -> dict[str, tuple[int, ...]]:
-    """Shapes of the buffers the backward kernels add to :meth:`ConvShape.buffer_shapes`.
+@dataclasses.dataclass(frozen=True)
+class Gradients:
+    """Which gradients a backward computes (what autograd asks for): the input's, the sampling
+    gradients (offset and mask, one reduction), and the weight's and bias's (one pass over the
+    output gradient). :data:`ALL_GRADIENTS` is the backward that the tuning logs hold records of;
+    the other combinations leave stages out of the PrimFunc and run their default schedules."""
+
+    input: bool = True
+    sampling: bool = True
+    weight: bool = True
+
+    @property
+    def name(self) -> str:
+        """``"all"``, or the parts joined by ``+`` (``"none"`` if empty)."""
+        if self == ALL_GRADIENTS:
+            return "all"
+        parts = [f.name for f in dataclasses.fields(self) if getattr(self, f.name)]
+        return "+".join(parts) or "none"
+
+    @property
+    def needs_grad_columns(self) -> bool:
+        """The column gradient feeds the input's and the sampling gradients."""
+        return self.input or self.sampling
+
+
+ALL_GRADIENTS = Gradients()
+
+
+def backward_buffer_shapes(
+    shape: ConvShape, gradients: Gradients = ALL_GRADIENTS
+) -> dict[str, tuple[int, ...]]:
+    """Shapes of the buffers the backward kernels add to :meth:`ConvShape.buffer_shapes`, for
+    the ``gradients`` asked for.
 
     ``grad_output`` is padded to the padded pixel count (with zeros) by the caller; the
     ``grad_columns`` and ``sample_*`` buffers are workspaces that the first backward kernel
@@ -374,25 +405,30 @@ def backward_buffer_shapes(shape: ConvShape) -> dict[str, tuple[int, ...]]:
     forward_shapes = shape.buffer_shapes()
     padded = padded_pixels(shape.out_h * shape.out_w)
     geometry = (shape.batch, shape.offset_groups, shape.taps)
-    shapes = {
-        "grad_output": (shape.batch, shape.out_channels, padded),
-        "grad_columns": (shape.batch, shape.in_channels, shape.taps, padded),
+    shapes = {"grad_output": (shape.batch, shape.out_channels, padded)}
+    if gradients.needs_grad_columns:
+        shapes["grad_columns"] = (shape.batch, shape.in_channels, shape.taps, padded)
+    shapes |= {
         "sample_rows": (*geometry, 2, padded),
         "sample_cols": (*geometry, 2, padded),
         "sample_coef": (*geometry, 4, padded),
-        "grad_offset": forward_shapes["offset"],
     }
-    if shape.has_mask:
-        shapes["grad_mask"] = forward_shapes["mask"]
-    shapes["grad_weight"] = forward_shapes["weight"]
-    if shape.has_bias:
-        shapes["grad_bias"] = forward_shapes["bias"]
-    shapes["grad_input"] = forward_shapes["data"]
+    if gradients.sampling:
+        shapes["grad_offset"] = forward_shapes["offset"]
+        if shape.has_mask:
+            shapes["grad_mask"] = forward_shapes["mask"]
+    if gradients.weight:
+        shapes["grad_weight"] = forward_shapes["weight"]
+        if shape.has_bias:
+            shapes["grad_bias"] = forward_shapes["bias"]
+    if gradients.input:
+        shapes["grad_input"] = forward_shapes["data"]
     return shapes
 
 
-def backward_tensors(shape: ConvShape) -> list[te.Tensor]:
-    """The TE tensors of the first backward kernel: inputs, then workspaces and gradients.
+def backward_tensors(shape: ConvShape, gradients: Gradients = ALL_GRADIENTS) -> list[te.Tensor]:
+    """The TE tensors of the first backward kernel: inputs, then workspaces and gradients, of
+    the stages that ``gradients`` needs.
 
     Every gradient except the input's is a gather or an ordered reduction, so it is a plain TE
     compute (torchvision's ``_deform_conv2d_backward`` formulas):
@@ -409,26 +445,33 @@ def backward_tensors(shape: ConvShape) -> list[te.Tensor]:
       forward's columns recomputed, and ``grad_bias[o] = sum_{n, p} grad_output[n, o, p]``.
 
     The input's gradient is a scatter (each sample adds into four input pixels), which TE cannot
-    express; :func:`grad_input_func` does it from the workspaces this kernel writes.
+    express; :func:`grad_input` does it from the workspaces this kernel writes.
     """
-    dtype, acc = shape.dtype, shape.accumulator_dtype
-    n_, c_, taps = shape.batch, shape.in_channels, shape.taps
-    pixels = shape.out_h * shape.out_w
-    padded = padded_pixels(pixels)
-    groups = shape.offset_groups
-    channels_per_offset_group = c_ // groups
-    weight_in = c_ // shape.weight_groups
+    shapes = backward_buffer_shapes(shape, gradients)
+    data, offset, mask, weight, bias = _placeholders(shape)
+    grad_output = te.placeholder(shapes["grad_output"], shape.dtype, name="grad_output")
+    sampling = _Sampling(shape, offset, mask)
+    geometry = sampling.geometry()
+    inputs = [t for t in (data, offset, mask, weight, grad_output) if t is not None]
+    outputs = [*geometry]
+    if gradients.needs_grad_columns:
+        grad_columns = _grad_columns(shape, weight, grad_output)
+        outputs.insert(0, grad_columns)
+        if gradients.sampling:
+            outputs += _sampling_gradients(shape, data, sampling, geometry, grad_columns)
+    if gradients.weight:
+        outputs += _weight_gradients(shape, data, grad_output, geometry, has_bias=bias is not None)
+    return [*inputs, *outputs]
+
+
+def _grad_columns(shape: ConvShape, weight: te.Tensor, grad_output: te.Tensor) -> te.Tensor:
+    acc = shape.accumulator_dtype
+    weight_in = shape.in_channels // shape.weight_groups
     out_per_group = shape.out_channels // shape.weight_groups
     shapes = backward_buffer_shapes(shape)
 
-    data, offset, mask, weight, bias = _placeholders(shape)
-    grad_output = te.placeholder(shapes["grad_output"], dtype, name="grad_output")
-    sampling = _Sampling(shape, offset, mask)
-    geometry = sampling.geometry()
-    sample_rows, sample_cols, _ = geometry
-
     ro = te.reduce_axis((0, out_per_group), name="ro")
-    grad_columns = te.compute(
+    return te.compute(
         shapes["grad_columns"],
         lambda n, c, k, p: te.sum(
             weight[(c // weight_in) * out_per_group + ro, c % weight_in, k].astype(acc)
@@ -437,6 +480,20 @@ def backward_tensors(shape: ConvShape) -> list[te.Tensor]:
         ),
         name="grad_columns",
     )
+
+
+def _sampling_gradients(
+    shape: ConvShape, data: te.Tensor, sampling: _Sampling, geometry, grad_columns: te.Tensor
+) -> list[te.Tensor]:
+    """``grad_offset`` and, with a mask, ``grad_mask``."""
+    dtype, acc = shape.dtype, shape.accumulator_dtype
+    n_, taps = shape.batch, shape.taps
+    padded = padded_pixels(shape.out_h * shape.out_w)
+    groups = shape.offset_groups
+    channels_per_offset_group = shape.in_channels // groups
+    shapes = backward_buffer_shapes(shape)
+    sample_rows, sample_cols, _ = geometry
+    mask = sampling.mask
 
     # The derivatives taken per channel: t = 0 is the mask's (absent without a mask), 1 and 2
     # the y and x coordinates'.
@@ -485,6 +542,19 @@ def backward_tensors(shape: ConvShape) -> list[te.Tensor]:
             lambda n, ch, p: sampling_grad[n, ch // taps, ch % taps, 0, p].astype(dtype),
             name="grad_mask",
         )
+    return [t for t in (grad_offset, grad_mask) if t is not None]
+
+
+def _weight_gradients(
+    shape: ConvShape, data: te.Tensor, grad_output: te.Tensor, geometry, has_bias: bool
+) -> list[te.Tensor]:
+    """``grad_weight`` and, with a bias, ``grad_bias``."""
+    dtype, acc = shape.dtype, shape.accumulator_dtype
+    n_ = shape.batch
+    padded = padded_pixels(shape.out_h * shape.out_w)
+    weight_in = shape.in_channels // shape.weight_groups
+    out_per_group = shape.out_channels // shape.weight_groups
+    shapes = backward_buffer_shapes(shape)
 
     columns = _columns(shape, data, geometry, padded)
     wn = te.reduce_axis((0, n_), name="wn")
@@ -504,7 +574,7 @@ def backward_tensors(shape: ConvShape) -> list[te.Tensor]:
         name="grad_weight",
     )
     grad_bias = None
-    if bias is not None:
+    if has_bias:
         bn = te.reduce_axis((0, n_), name="bn")
         bp = te.reduce_axis((0, padded), name="bp")
         bias_sum = te.compute(
@@ -516,20 +586,20 @@ def backward_tensors(shape: ConvShape) -> list[te.Tensor]:
             shapes["grad_bias"], lambda o: bias_sum[o].astype(dtype), name="grad_bias"
         )
 
-    inputs = [t for t in (data, offset, mask, weight, grad_output) if t is not None]
-    outputs = [grad_columns, *geometry, grad_offset, grad_mask, grad_weight, grad_bias]
-    return [*inputs, *(t for t in outputs if t is not None)]
+    return [t for t in (grad_weight, grad_bias) if t is not None]
 
 
-def backward(shape: ConvShape) -> tirx.PrimFunc:
+def backward(shape: ConvShape, gradients: Gradients = ALL_GRADIENTS) -> tirx.PrimFunc:
     """The first backward PrimFunc of ``shape``, unscheduled, named ``deform_conv2d_backward``.
 
     Arguments, in order: data, offset, mask (if ``has_mask``), weight, grad_output, then the
     workspaces grad_columns, sample_rows, sample_cols, sample_coef, then grad_offset, grad_mask
     (if ``has_mask``), grad_weight, grad_bias (if ``has_bias``); shapes as
-    :func:`backward_buffer_shapes` gives them.
+    :func:`backward_buffer_shapes` gives them. Buffers of the stages ``gradients`` does not need
+    are left out (``grad_columns`` when neither the input's nor the sampling gradients are asked
+    for).
     """
-    func = te.create_prim_func(backward_tensors(shape))
+    func = te.create_prim_func(backward_tensors(shape, gradients))
     return func.with_attr("global_symbol", "deform_conv2d_backward")
 
 

@@ -77,56 +77,98 @@ def run_backward_cpu(
     weight: torch.Tensor,
     mask: torch.Tensor | None,
     kernels: build.BackwardKernels | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    output_mask: tuple[bool, bool, bool, bool, bool] = (True,) * 5,
+) -> tuple[
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+]:
     """The gradients ``(input, offset, mask, weight, bias)`` of ``shape``'s forward for
-    ``grad_output``; the mask's is None without a mask, the bias's None when ``shape`` has no
-    bias. ``kernels`` defaults to the ones dispatch picks for ``shape``."""
-    # The kernels write every element; only an empty batch leaves the (zero) gradients as made.
+    ``grad_output``, each computed only when ``output_mask`` asks for it (as in
+    ``aten::convolution_backward``) and None otherwise; the mask's is None without a mask, the
+    bias's None when ``shape`` has no bias. ``kernels`` defaults to the ones dispatch picks for
+    ``shape`` and the gradients asked for."""
+    want_input, want_offset, want_mask, want_weight, want_bias = output_mask
+    want_mask = want_mask and mask is not None
+    want_bias = want_bias and shape.has_bias
+    gradients = definition.Gradients(
+        input=want_input, sampling=want_offset or want_mask, weight=want_weight or want_bias
+    )
+    # The kernels write every element of what they compute; an empty batch leaves zeros.
     empty = shape.batch == 0
     like = torch.zeros_like if empty else torch.empty_like
-    grad_input = like(input, memory_format=torch.contiguous_format)
-    grad_offset = like(offset, memory_format=torch.contiguous_format)
-    grad_mask = like(mask, memory_format=torch.contiguous_format) if mask is not None else None
-    grad_weight = like(weight, memory_format=torch.contiguous_format)
-    grad_bias = None
-    if shape.has_bias:
-        grad_bias = (weight.new_zeros if empty else weight.new_empty)(shape.out_channels)
-    if empty:
-        return grad_input, grad_offset, grad_mask, grad_weight, grad_bias
-    kernels = kernels or build.get_backward(shape)
-    build.configure_threads(torch.get_num_threads())
+    contiguous = torch.contiguous_format
+    grad_input = like(input, memory_format=contiguous) if gradients.input else None
+    grad_offset = grad_mask = grad_weight = grad_bias = None
+    if gradients.sampling:
+        grad_offset = like(offset, memory_format=contiguous)
+        grad_mask = like(mask, memory_format=contiguous) if mask is not None else None
+    if gradients.weight:
+        grad_weight = like(weight, memory_format=contiguous)
+        if shape.has_bias:
+            grad_bias = (weight.new_zeros if empty else weight.new_empty)(shape.out_channels)
+    if not empty and gradients != definition.Gradients(False, False, False):
+        kernels = kernels or build.get_backward(shape, gradients=gradients)
+        build.configure_threads(torch.get_num_threads())
+        _run_backward_kernels(
+            shape,
+            kernels,
+            grad_output,
+            input,
+            offset,
+            weight,
+            mask,
+            gradients,
+            (grad_input, grad_offset, grad_mask, grad_weight, grad_bias),
+        )
+    return (
+        grad_input,
+        grad_offset if want_offset else None,
+        grad_mask if want_mask else None,
+        grad_weight if want_weight else None,
+        grad_bias if want_bias else None,
+    )
+
+
+def _run_backward_kernels(
+    shape, kernels, grad_output, input, offset, weight, mask, gradients, grads
+) -> None:
+    """Run the backward kernels into ``grads`` (input, offset, mask, weight, bias), with the
+    arguments :func:`definition.backward` and :func:`definition.grad_input` take."""
+    grad_input, grad_offset, grad_mask, grad_weight, grad_bias = grads
     pixels = shape.out_h * shape.out_w
-    shapes = definition.backward_buffer_shapes(shape)
+    shapes = definition.backward_buffer_shapes(shape, gradients)
     grad_output = grad_output.contiguous().view(shape.batch, shape.out_channels, pixels)
     padded = shapes["grad_output"][-1]
     if padded != pixels:
         # Zero gradient on the padding pixels: they add nothing to the reductions.
         grad_output = torch.nn.functional.pad(grad_output, (0, padded - pixels))
     acc = _TORCH_DTYPES[shape.accumulator_dtype]
-    grad_columns = input.new_empty(shapes["grad_columns"], dtype=acc)
-    sample_rows = input.new_empty(shapes["sample_rows"], dtype=torch.int32)
-    sample_cols = input.new_empty(shapes["sample_cols"], dtype=torch.int32)
-    sample_coef = input.new_empty(shapes["sample_coef"], dtype=acc)
+    workspaces = [
+        input.new_empty(shapes["sample_rows"], dtype=torch.int32),
+        input.new_empty(shapes["sample_cols"], dtype=torch.int32),
+        input.new_empty(shapes["sample_coef"], dtype=acc),
+    ]
+    if gradients.needs_grad_columns:
+        workspaces.insert(0, input.new_empty(shapes["grad_columns"], dtype=acc))
     args = [input.contiguous(), offset.contiguous().view(shape.batch, -1, pixels)]
     if mask is not None:
         args.append(mask.contiguous().view(shape.batch, -1, pixels))
-    args += [
-        weight.contiguous().view(shape.out_channels, -1, shape.taps),
-        grad_output,
-        grad_columns,
-        sample_rows,
-        sample_cols,
-        sample_coef,
-        grad_offset.view(shape.batch, -1, pixels),
-    ]
+    args += [weight.contiguous().view(shape.out_channels, -1, shape.taps), grad_output]
+    args += workspaces
+    if grad_offset is not None:
+        args.append(grad_offset.view(shape.batch, -1, pixels))
     if grad_mask is not None:
         args.append(grad_mask.view(shape.batch, -1, pixels))
-    args.append(grad_weight.view(shape.out_channels, -1, shape.taps))
+    if grad_weight is not None:
+        args.append(grad_weight.view(shape.out_channels, -1, shape.taps))
     if grad_bias is not None:
         args.append(grad_bias)
     kernels.gradients(*args)
-    kernels.grad_input(grad_columns, sample_rows, sample_cols, sample_coef, grad_input)
-    return grad_input, grad_offset, grad_mask, grad_weight, grad_bias
+    if grad_input is not None:
+        kernels.grad_input(*workspaces, grad_input)
 
 
 def _op_shape(input, offset, weight, bias, mask, *params: int) -> ConvShape:
@@ -209,9 +251,11 @@ def _deform_conv2d_backward(
     dilation_h: int,
     dilation_w: int,
     offset_grad_rule: str = "torchvision",
+    output_mask: list[bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (input, offset, mask, weight, bias); an absent mask or bias gets an empty
-    tensor (custom ops cannot return None)."""
+    """Gradients (input, offset, mask, weight, bias), those that ``output_mask`` (five bools in
+    that order; None: all) asks for; an absent mask or bias, or a gradient not asked for, gets
+    an empty tensor (custom ops cannot return None)."""
     shape = _backward_shape(
         grad_output,
         input,
@@ -226,8 +270,18 @@ def _deform_conv2d_backward(
             f"tvm_deform.deform_conv2d has no backward kernels for {input.device.type} tensors "
             "yet (CPU only in this version; the CUDA op is forward only)"
         )
-    grads = run_backward_cpu(shape, grad_output, input, offset, weight, mask)
+    grads = run_backward_cpu(
+        shape, grad_output, input, offset, weight, mask, output_mask=_output_mask(output_mask)
+    )
     return tuple(g if g is not None else input.new_empty(0) for g in grads)
+
+
+def _output_mask(output_mask: list[bool] | None) -> tuple[bool, bool, bool, bool, bool]:
+    if output_mask is None:
+        return (True,) * 5
+    if len(output_mask) != 5:
+        raise ArgumentError(f"output_mask must hold 5 bools, got {list(output_mask)}")
+    return tuple(bool(m) for m in output_mask)
 
 
 @_deform_conv2d_backward.register_fake
@@ -245,6 +299,7 @@ def _deform_conv2d_backward_fake(
     dilation_h: int,
     dilation_w: int,
     offset_grad_rule: str = "torchvision",
+    output_mask: list[bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     shape = _backward_shape(
         grad_output,
@@ -255,15 +310,15 @@ def _deform_conv2d_backward_fake(
         has_bias,
         (stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, offset_grad_rule),
     )
-    return (
-        torch.empty_like(input, memory_format=torch.contiguous_format),
-        torch.empty_like(offset, memory_format=torch.contiguous_format),
-        torch.empty_like(mask, memory_format=torch.contiguous_format)
-        if mask is not None
-        else input.new_empty(0),
-        torch.empty_like(weight, memory_format=torch.contiguous_format),
-        weight.new_empty(shape.out_channels if has_bias else 0),
-    )
+    wants = _output_mask(output_mask)
+    contiguous = torch.contiguous_format
+    like = (input, offset, mask, weight)
+    grads = [
+        torch.empty_like(t, memory_format=contiguous) if want and t is not None else None
+        for t, want in zip(like, wants[:4], strict=True)
+    ]
+    grads.append(weight.new_empty(shape.out_channels) if has_bias and wants[4] else None)
+    return tuple(g if g is not None else input.new_empty(0) for g in grads)
 
 
 def _backward_shape(grad_output, input, offset, weight, mask, has_bias, params) -> ConvShape:
@@ -300,17 +355,27 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_output):
     input, offset, weight, mask = ctx.saved_tensors
+    # ctx.needs_input_grad follows the forward's arguments: input, offset, weight, bias, mask.
+    needs_input, needs_offset, needs_weight, needs_bias, needs_mask = ctx.needs_input_grad[:5]
+    output_mask = [needs_input, needs_offset, needs_mask, needs_weight, needs_bias]
     grad_input, grad_offset, grad_mask, grad_weight, grad_bias = (
         torch.ops.tvm_deform.deform_conv2d_backward(
-            grad_output, input, offset, weight, mask, ctx.has_bias, *ctx.params
+            grad_output,
+            input,
+            offset,
+            weight,
+            mask,
+            ctx.has_bias,
+            *ctx.params,
+            output_mask=output_mask,
         )
     )
     return (
-        grad_input,
-        grad_offset,
-        grad_weight,
-        grad_bias if ctx.has_bias else None,
-        grad_mask if mask is not None else None,
+        grad_input if needs_input else None,
+        grad_offset if needs_offset else None,
+        grad_weight if needs_weight else None,
+        grad_bias if needs_bias else None,
+        grad_mask if needs_mask else None,
         *([None] * len(ctx.params)),
     )
 
