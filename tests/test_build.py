@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,76 @@ def test_tvm_pool_follows_torch_thread_count(monkeypatch):
         assert tvm.runtime.num_threads() == min(max(2, before), os.cpu_count())
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(os.cpu_count() < 2, reason="needs a pool of two threads to tell apart")
+def test_tvm_pool_is_configured_in_every_calling_thread(monkeypatch):
+    """TVM's pool is per calling thread: a count set in one thread says nothing of another's."""
+    monkeypatch.setenv("TVM_DEFORM_LAUNCHER", "0")
+    before = torch.get_num_threads()
+    seen = []
+
+    def run_in_thread():
+        call()
+        seen.append(tvm.runtime.num_threads())
+
+    try:
+        torch.set_num_threads(1)
+        call()  # this thread's pool: 1
+        thread = threading.Thread(target=run_in_thread)
+        thread.start()
+        thread.join(timeout=120)
+        assert seen == [1]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_python_threads_calling_at_once_get_the_right_values(cache_dir):
+    shapes = [SHAPE, ConvShape(2, 3, 9, 8, 2, 3, 3, pad_h=1, pad_w=1, has_bias=True)]
+    expected = {shape: call(shape) for shape in shapes}
+    build.clear_memory_cache()
+    results: list[tuple[ConvShape, torch.Tensor]] = []
+
+    def worker(shape: ConvShape) -> None:
+        for _ in range(3):
+            results.append((shape, call(shape)))
+
+    threads = [threading.Thread(target=worker, args=(shapes[i % 2],)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert len(results) == 12
+    for shape, result in results:
+        assert torch.equal(result, expected[shape])
+
+
+def test_a_compile_does_not_block_other_shapes(cache_dir, monkeypatch):
+    slow = ConvShape(1, 3, 11, 10, 2, 3, 3, pad_h=1, pad_w=1, has_bias=True)
+    call()  # SHAPE is loaded
+    release, started = threading.Event(), threading.Event()
+    compile_kernel = build.compile_kernel
+
+    def blocked_compile(shape, target, record=None):
+        if shape == slow:
+            started.set()
+            release.wait(timeout=120)
+        return compile_kernel(shape, target, record)
+
+    monkeypatch.setattr(build, "compile_kernel", blocked_compile)
+    other = ConvShape(1, 3, 8, 8, 2, 3, 3, pad_h=1, pad_w=1, has_bias=True)
+    thread = threading.Thread(target=call, args=(slow,))
+    thread.start()
+    try:
+        assert started.wait(timeout=120)
+        # While ``slow`` compiles: a loaded shape and another new shape both go through.
+        call()
+        call(other)
+        assert thread.is_alive()
+    finally:
+        release.set()
+        thread.join(timeout=120)
+    assert not thread.is_alive()
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only")

@@ -340,7 +340,11 @@ def _store_cached(module: tvm.runtime.Module, path: Path) -> None:
 
 
 _memory: dict[tuple, Kernel | BackwardKernels] = {}
+#: guards ``_memory`` and ``_loading``; held only for dictionary updates, never while compiling
 _lock = threading.Lock()
+#: one lock per kernel being loaded: threads that need the same new kernel wait for one compile,
+#: threads that need other kernels do not wait at all
+_loading: dict[tuple, threading.Lock] = {}
 
 
 def get_kernel(shape: ConvShape, target: Target | None = None, tuned: bool | None = None) -> Kernel:
@@ -470,10 +474,14 @@ def _memoised(key: tuple, load: Callable):
     if found is not None:
         return found
     with _lock:
+        key_lock = _loading.setdefault(key, threading.Lock())
+    with key_lock:
         found = _memory.get(key)
         if found is None:
             found = load()
-            _memory[key] = found
+            with _lock:
+                _memory[key] = found
+                _loading.pop(key, None)
     return found
 
 
@@ -483,14 +491,15 @@ def clear_memory_cache() -> None:
         _memory.clear()
 
 
-_configured_threads = 0
+#: TVM's thread pool is per calling thread, and so is the count it was last given
+_threads = threading.local()
 
 
 def configure_threads(count: int) -> None:
-    """Make TVM's CPU thread pool use ``count`` threads: a no-op when already so, or when no
-    kernel runs on it (kernels attached to the launcher use torch's threads and thread count)."""
-    global _configured_threads
-    if _tvm_pool_in_use and count != _configured_threads:
+    """Make the calling thread's TVM CPU thread pool use ``count`` threads: a no-op when already
+    so, or when no kernel runs on TVM's pool (kernels attached to the launcher use torch's
+    threads and thread count)."""
+    if _tvm_pool_in_use and count != getattr(_threads, "count", 0):
         # Mode 1 ("big cores") with an explicit count: use ``count`` workers of the pool.
         tvm.get_global_func("runtime.config_threadpool")(1, count)
-        _configured_threads = count
+        _threads.count = count
