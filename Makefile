@@ -10,7 +10,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[test,peers,plot]'
+	$(VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[test,peers,plot,export]'
 	touch $@
 
 demo: $(STAMP)
