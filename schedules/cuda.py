@@ -99,8 +99,12 @@ class DefaultCUDA:
 
     def _cooperative(self, sch: s_tir.Schedule, block, depth: int, threads_o: int) -> None:
         """Spread ``block``'s loops below the first ``depth`` (a shared-memory fill) over the
-        thread block's threads."""
-        fused = sch.fuse(*sch.get_loops(block)[depth:])
+        thread block's threads. A fill of one element (one channel, a 1x1 kernel) has no loop
+        there: every thread writes that same value."""
+        loops = sch.get_loops(block)[depth:]
+        if not loops:
+            return
+        fused = sch.fuse(*loops)
         _, ty, tx = sch.split(fused, [None, threads_o, self.threads_p])
         self._bind(sch, ty, "threadIdx.y")
         self._bind(sch, tx, "threadIdx.x")

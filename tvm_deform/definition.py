@@ -35,6 +35,7 @@ bilinearly and a corner outside the image counts as zero.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from tvm import te, tirx
 from tvm.script import tirx as T
@@ -50,6 +51,38 @@ ACCUMULATOR_DTYPE = {
 
 #: stages before the output run over the pixels padded to a multiple of this
 PIXEL_QUANTUM = 64
+
+
+#: the most elements a buffer indexed in int32 may have
+INT32_MAX = 2**31 - 1
+
+
+def _elements(tensor: te.Tensor) -> int:
+    count = 1
+    for extent in tensor.shape:
+        count *= int(extent)
+    return count
+
+
+def _largest_buffer(tensors: list[te.Tensor]) -> int:
+    """The element count of the largest tensor in the TE graph that produces ``tensors``."""
+    largest, seen, stack = 0, set(), list(tensors)
+    while stack:
+        tensor = stack.pop()
+        if tensor.op.name in seen:
+            continue
+        seen.add(tensor.op.name)
+        largest = max(largest, _elements(tensor))
+        stack.extend(tensor.op.input_tensors)
+    return largest
+
+
+def _prim_func(tensors: list[te.Tensor], symbol: str) -> tirx.PrimFunc:
+    """The PrimFunc of ``tensors``, indexed in int32 (fast, and what the tuning records hold)
+    unless a buffer of the graph has more elements than int32 can index; then in int64."""
+    big = _largest_buffer(tensors) > INT32_MAX
+    func = te.create_prim_func(tensors, index_dtype_override="int64" if big else None)
+    return func.with_attr("global_symbol", symbol)
 
 
 def padded_pixels(pixels: int) -> int:
@@ -360,8 +393,7 @@ def forward(shape: ConvShape) -> tirx.PrimFunc:
     Arguments, in order: data, offset, mask (if ``has_mask``), weight, bias (if ``has_bias``),
     output; shapes as :meth:`ConvShape.buffer_shapes` gives them.
     """
-    func = te.create_prim_func(forward_tensors(shape))
-    return func.with_attr("global_symbol", "deform_conv2d")
+    return _prim_func(forward_tensors(shape), "deform_conv2d")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -599,8 +631,7 @@ def backward(shape: ConvShape, gradients: Gradients = ALL_GRADIENTS) -> tirx.Pri
     are left out (``grad_columns`` when neither the input's nor the sampling gradients are asked
     for).
     """
-    func = te.create_prim_func(backward_tensors(shape, gradients))
-    return func.with_attr("global_symbol", "deform_conv2d_backward")
+    return _prim_func(backward_tensors(shape, gradients), "deform_conv2d_backward")
 
 
 def grad_input(shape: ConvShape) -> tirx.PrimFunc:
@@ -616,13 +647,20 @@ def grad_input(shape: ConvShape) -> tirx.PrimFunc:
     :func:`backward`), grad_input.
     """
     dtype, acc = shape.dtype, shape.accumulator_dtype
-    n_, c_, h_, w_, taps = shape.batch, shape.in_channels, shape.height, shape.width, shape.taps
-    pixels = shape.out_h * shape.out_w
-    per_group = c_ // shape.offset_groups
     shapes = backward_buffer_shapes(shape)
+    largest = max(math.prod(s) for s in shapes.values())
+    # Indexed in int64 when a buffer passes int32's range, as :func:`_prim_func` does.
+    size = (lambda v: tirx.IntImm("int64", v)) if largest > INT32_MAX else int
+    n_, c_, h_, w_, taps = map(
+        size, (shape.batch, shape.in_channels, shape.height, shape.width, shape.taps)
+    )
+    pixels = size(shape.out_h * shape.out_w)
+    per_group = size(shape.in_channels // shape.offset_groups)
     # Plain names: the TVMScript parser treats a string inside an annotation as a variable name.
-    columns_shape, rows_shape = shapes["grad_columns"], shapes["sample_rows"]
-    coef_shape, input_shape = shapes["sample_coef"], shapes["grad_input"]
+    columns_shape, rows_shape, coef_shape, input_shape = (
+        tuple(map(size, shapes[name]))
+        for name in ("grad_columns", "sample_rows", "sample_coef", "grad_input")
+    )
 
     @T.prim_func(s_tir=True)
     def func(

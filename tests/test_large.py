@@ -1,0 +1,119 @@
+"""Tensors past int32's range: the kernels index in int64 exactly when a buffer needs it."""
+
+from __future__ import annotations
+
+import re
+
+import psutil
+import pytest
+import torch
+import torchvision.ops
+from conftest import assert_close
+
+from tvm_deform import build, definition, deform_conv2d
+from tvm_deform.definition import ConvShape
+
+#: the smallest square side whose plane passes 2**31 - 1 elements; a stride of 331 puts the
+#: last output row on the last image row (46340 = 140 * 331)
+SIDE = 46341
+LARGE = ConvShape(1, 1, SIDE, SIDE, 1, 1, 1, stride_h=331, stride_w=331, dtype="float16")
+
+
+def index_dtypes(func) -> dict[str, int]:
+    """How many loops and shapes of ``func``'s TVMScript are int32 and how many int64."""
+    text = func.script()
+    int32 = len(re.findall(r"range\(\d+\)|T\.grid\(\d|Buffer\(\(\d", text))
+    return {"int32": int32, "int64": text.count("T.int64(")}
+
+
+def test_small_shapes_keep_int32_indexing():
+    shape = ConvShape(2, 8, 20, 20, 8, 3, 3, pad_h=1, pad_w=1)
+    for func in (definition.forward(shape), definition.backward(shape)):
+        assert index_dtypes(func)["int64"] == 0
+        assert index_dtypes(func)["int32"] > 0
+    assert index_dtypes(definition.grad_input(shape))["int64"] == 0
+
+
+@pytest.mark.parametrize(
+    "shape, which",
+    [
+        (LARGE, "input"),
+        # The backward's [N, C * K, P] buffers pass int32 at a realistic detector size.
+        (ConvShape(16, 256, 200, 336, 256, 3, 3, pad_h=1, pad_w=1), "workspaces"),
+    ],
+    ids=["input", "backward-workspaces"],
+)
+def test_buffers_past_int32_are_indexed_in_int64(shape, which):
+    funcs = [definition.forward(shape), definition.backward(shape), definition.grad_input(shape)]
+    if which == "workspaces":
+        assert max(map(lambda s: torch.Size(s).numel(), shape.buffer_shapes().values())) < 2**31
+        funcs = funcs[1:]
+    for func in funcs:
+        dtypes = index_dtypes(func)
+        assert dtypes["int32"] == 0 and dtypes["int64"] > 0
+    # The default schedules apply to them and compile, CPU and CUDA.
+    build.compile_kernel(LARGE, build.host_target())
+    assert "int64_t" in build.cuda_source(LARGE, "sm_90")
+
+
+def bilinear_samples(data: torch.Tensor, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """torchvision's sampling rule at points (y, x) of the one-channel image ``data``, in
+    float64, gathering only the four corners of each point (int64 indices)."""
+    height, width = data.shape[-2:]
+    flat = data.reshape(-1)
+    inside = (y > -1) & (y < height) & (x > -1) & (x < width)
+    y0, x0 = torch.floor(y), torch.floor(x)
+    total = torch.zeros_like(y)
+    for dy in (0, 1):
+        for dx in (0, 1):
+            row, col = y0 + dy, x0 + dx
+            weight = (1 - (y - row).abs()) * (1 - (x - col).abs())
+            valid = inside & (row >= 0) & (row < height) & (col >= 0) & (col < width)
+            index = (row.clamp(0, height - 1) * width + col.clamp(0, width - 1)).long()
+            total += torch.where(valid, weight * flat[index].double(), 0.0)
+    return total
+
+
+def reference_1x1(data, offset, weight, bias, mask, stride: int) -> torch.Tensor:
+    """A one-channel 1x1 deformable conv by :func:`bilinear_samples`."""
+    out_h, out_w = offset.shape[-2:]
+    oy = torch.arange(out_h, dtype=torch.float64).view(-1, 1) * stride
+    ox = torch.arange(out_w, dtype=torch.float64).view(1, -1) * stride
+    samples = bilinear_samples(data, oy + offset[0, 0].double(), ox + offset[0, 1].double())
+    return (weight.double().item() * mask[0, 0].double() * samples + bias.double().item())[
+        None, None
+    ]
+
+
+def large_inputs(shape: ConvShape, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(0)
+    rows = torch.cos(torch.arange(shape.height, dtype=torch.float32) * 0.01)
+    cols = torch.sin(torch.arange(shape.width, dtype=torch.float32) * 0.013) * 0.5
+    data = torch.empty(1, 1, shape.height, shape.width, dtype=dtype)
+    torch.add(rows.to(dtype)[:, None], cols.to(dtype)[None, :], out=data[0, 0])
+    offset = ((torch.rand(1, 2, shape.out_h, shape.out_w, generator=g) - 0.5) * 6).to(dtype)
+    mask = torch.rand(1, 1, shape.out_h, shape.out_w, generator=g).to(dtype)
+    weight = torch.tensor([[[[0.75]]]], dtype=dtype)
+    bias = torch.tensor([0.25], dtype=dtype)
+    return data, offset, weight, bias, mask
+
+
+def test_reference_of_the_large_run_agrees_with_torchvision():
+    shape = ConvShape(1, 1, 40, 37, 1, 1, 1, stride_h=3, stride_w=3)
+    data, offset, weight, bias, mask = large_inputs(shape, torch.float64)
+    expected = torchvision.ops.deform_conv2d(data, offset, weight, bias, stride=3, mask=mask)
+    assert_close(reference_1x1(data, offset, weight, bias, mask, 3), expected, 1e-12)
+
+
+@pytest.mark.skipif(
+    psutil.virtual_memory().available < 8 * 2**30, reason="needs 8 GiB of free memory"
+)
+def test_input_past_int32_elements_gives_correct_values():
+    data, offset, weight, bias, mask = large_inputs(LARGE, torch.float16)
+    assert data.numel() > 2**31 - 1
+    # The last output pixel samples beyond element 2**31 - 1.
+    last = (LARGE.out_h - 1) * LARGE.stride_h * SIDE + (LARGE.out_w - 1) * LARGE.stride_w
+    assert last > 2**31 - 1
+    ours = deform_conv2d(data, offset, weight, bias, stride=331, mask=mask)
+    expected = reference_1x1(data, offset, weight, bias, mask, 331)
+    assert_close(ours, expected, 2e-3, "float16 input of 2.1e9 elements")
