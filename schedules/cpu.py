@@ -295,9 +295,18 @@ def _vectorise_along_channels(sch: s_tir.Schedule, columns, layer: Layer, tile: 
     sch.vectorize(channel)
 
 
+def input_is_channels_last(sch: s_tir.Schedule) -> bool:
+    """Whether the PrimFunc's input is declared NHWC (a channels_last torch tensor)."""
+    attrs = sch.mod["main"].attrs
+    return attrs is not None and str(attrs.get("data_layout", "NCHW")) == "NHWC"
+
+
 def channels_last_input(sch: s_tir.Schedule, consumer) -> None:
     """Make ``consumer`` read the input from an NHWC copy (stage ``data_global``), filled in
-    parallel over the image rows before everything else."""
+    parallel over the image rows before everything else; nothing to do when the input is
+    NHWC already."""
+    if input_is_channels_last(sch):
+        return
     reads = [str(region.source.name) for region in sch.get(consumer).reads]
     copy = sch.cache_read(consumer, reads.index("data"), "global")
     sch.transform_layout(copy, ("write", 0), lambda n, c, y, x: (n, y, x, c))

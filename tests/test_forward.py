@@ -6,11 +6,12 @@ import pytest
 import torch
 import torchvision.ops
 from conftest import assert_close
-from inputs import CONFIGS, make_inputs
+from inputs import CONFIGS, make_inputs, shape_of
 from reference import deform_conv2d_reference
+from tvm_deform.schedules.cpu import DefaultCPU
 
 import tvm_deform
-from tvm_deform import DeformConv2d, deform_conv2d
+from tvm_deform import DeformConv2d, build, definition, deform_conv2d
 
 
 def seed_inputs():
@@ -262,3 +263,62 @@ def test_torch_compile_fullgraph(backend):
 def test_public_api():
     assert tvm_deform.deform_conv2d is deform_conv2d
     assert "mask" in deform_conv2d.__doc__
+
+
+WIDE = dict(
+    n=2,
+    c=16,
+    h=9,
+    w=8,
+    o=8,
+    kh=3,
+    kw=3,
+    stride=(1, 1),
+    padding=(1, 1),
+    dilation=(1, 1),
+    groups=1,
+    offset_groups=2,
+    use_mask=True,
+    use_bias=True,
+)
+
+
+# (configuration, whether its NCHW kernel samples along the channels from an NHWC copy)
+CHANNELS_LAST_CASES = [
+    (CONFIGS[0] | dict(c=2, offset_groups=1, groups=1), False),
+    (WIDE, True),
+    (WIDE | dict(o=16, groups=16), True),  # depthwise: the inline structure
+]
+
+
+@pytest.mark.parametrize(
+    "cfg, nchw_copies", CHANNELS_LAST_CASES, ids=["narrow", "wide", "depthwise"]
+)
+def test_channels_last_input_is_sampled_in_place(cfg, nchw_copies, monkeypatch):
+    args = make_inputs(cfg, torch.float32)
+    expected = torchvision.ops.deform_conv2d(**args)
+    layouts = []
+    get_kernel = build.get_kernel
+
+    def spy(shape, target=None, tuned=None, layout="NCHW"):
+        layouts.append(layout)
+        return get_kernel(shape, target, tuned, layout)
+
+    monkeypatch.setattr(build, "get_kernel", spy)
+    channels_last = args["input"].contiguous(memory_format=torch.channels_last)
+    assert not channels_last.is_contiguous()
+    ours = deform_conv2d(**(args | dict(input=channels_last)))
+    assert layouts == ["NHWC"]
+    assert ours.is_contiguous()
+    assert_close(ours, expected, 2e-6, "channels_last")
+    # Where the schedule samples along the channels, the NCHW kernel first copies the input to
+    # NHWC; the NHWC kernel reads it where it is.
+    shape = shape_of(cfg)
+    scripts = {
+        layout: DefaultCPU()
+        .apply(definition.forward(shape, layout), build.host_target())
+        .mod.script()
+        for layout in ("NCHW", "NHWC")
+    }
+    assert ("data_global" in scripts["NCHW"]) == nchw_copies
+    assert "data_global" not in scripts["NHWC"]

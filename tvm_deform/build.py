@@ -196,12 +196,16 @@ def default_schedule(
     target: Target,
     op: str = "forward",
     gradients: definition.Gradients = definition.ALL_GRADIENTS,
+    layout: str = "NCHW",
 ) -> s_tir.Schedule:
-    """``shape``'s ``op`` PrimFunc ("forward", or "backward": the gradients kernel, computing
-    ``gradients``) under the default schedule of ``target``'s kind."""
+    """``shape``'s ``op`` PrimFunc ("forward" with its input in ``layout``, or "backward": the
+    gradients kernel, computing ``gradients``) under the default schedule of ``target``'s
+    kind."""
     if op == "forward":
+        if layout != "NCHW" and target.kind.name == "cuda":
+            raise NotImplementedError(f"no CUDA schedule for {layout} input")
         rule = DefaultCUDA() if target.kind.name == "cuda" else DefaultCPU()
-        func = definition.forward(shape)
+        func = definition.forward(shape, layout)
     elif op == "backward" and target.kind.name != "cuda":
         rule, func = DefaultCPUBackward(), definition.backward(shape, gradients)
     else:
@@ -213,14 +217,20 @@ def default_schedule(
 
 
 def compile_kernel(
-    shape: ConvShape, target: Target, record: logs.TunedRecord | None = None
+    shape: ConvShape,
+    target: Target,
+    record: logs.TunedRecord | None = None,
+    layout: str = "NCHW",
 ) -> tvm.runtime.Module:
-    """Compile the forward kernel of ``shape`` for ``target``: with ``record``'s tuned schedule
-    when given, else with the default schedule."""
+    """Compile the forward kernel of ``shape`` for ``target`` and an input in ``layout``: with
+    ``record``'s tuned schedule when given (records are of NCHW kernels), else with the
+    default schedule."""
     if record is not None:
+        if layout != "NCHW":
+            raise ValueError("tuned records are of kernels that take an NCHW input")
         sch = logs.tuned_schedule(shape, record)
     else:
-        sch = default_schedule(shape, target)
+        sch = default_schedule(shape, target, layout=layout)
     if target.kind.name == "cuda":
         # Registers TVM's CUDA compiler callback (NVRTC, or nvcc with TVM_CUDA_COMPILE_MODE).
         importlib.import_module("tvm.support.nvcc")
@@ -347,23 +357,51 @@ _lock = threading.Lock()
 _loading: dict[tuple, threading.Lock] = {}
 
 
-def get_kernel(shape: ConvShape, target: Target | None = None, tuned: bool | None = None) -> Kernel:
-    """The compiled forward kernel of ``shape``: from memory, from disk, or freshly compiled
-    (with the tuned schedule the logs hold for it, else the default one; ``tuned`` as in
-    :func:`resolve`)."""
+def get_kernel(
+    shape: ConvShape,
+    target: Target | None = None,
+    tuned: bool | None = None,
+    layout: str = "NCHW",
+) -> Kernel:
+    """The compiled forward kernel of ``shape`` for an input in ``layout``: from memory, from
+    disk, or freshly compiled. An NCHW kernel runs with the tuned schedule the logs hold for it,
+    else the default one (``tuned`` as in :func:`resolve`); an NHWC kernel (channels_last input,
+    CPU) runs its default schedule, which samples the input in place."""
     target = target or host_target()
     tuned = env.tuned_enabled() if tuned is None else tuned
+
+    def load() -> Kernel:
+        if layout != "NCHW":
+            return load_kernel(shape, target, None, layout)
+        return load_kernel(shape, target, resolve(shape, target, tuned))
+
     # The log and pool settings are part of the key, so changing them mid-process takes effect.
-    key = ("forward", shape, str(target), tuned, env.user_logs_dir(), env.launcher_enabled())
-    return _memoised(key, lambda: load_kernel(shape, target, resolve(shape, target, tuned)))
+    key = (
+        "forward",
+        shape,
+        layout,
+        str(target),
+        tuned,
+        env.user_logs_dir(),
+        env.launcher_enabled(),
+    )
+    return _memoised(key, load)
 
 
-def load_kernel(shape: ConvShape, target: Target, record: logs.TunedRecord | None = None) -> Kernel:
-    """The forward kernel of ``shape`` with ``record``'s schedule (None: the default), through
-    the disk cache, not memoised (benchmarks use it to run schedules dispatch would not pick)."""
+def load_kernel(
+    shape: ConvShape,
+    target: Target,
+    record: logs.TunedRecord | None = None,
+    layout: str = "NCHW",
+) -> Kernel:
+    """The forward kernel of ``shape`` for an input in ``layout``, with ``record``'s schedule
+    (None: the default), through the disk cache, not memoised (benchmarks use it to run
+    schedules dispatch would not pick)."""
     schedule = "default" if record is None else record.identity
+    op = "forward" if layout == "NCHW" else f"forward_{layout.lower()}"
     module = _load_module(
-        cache_path(shape, target, schedule), lambda: compile_kernel(shape, target, record)
+        cache_path(shape, target, schedule, op=op),
+        lambda: compile_kernel(shape, target, record, layout),
     )
     return module["deform_conv2d"]
 

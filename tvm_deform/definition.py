@@ -154,11 +154,15 @@ class ConvShape:
             * self.out_w
         )
 
-    def buffer_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Shapes of the PrimFunc's buffers, in argument order (absent optional ones left out)."""
+    def buffer_shapes(self, layout: str = "NCHW") -> dict[str, tuple[int, ...]]:
+        """Shapes of the PrimFunc's buffers, in argument order (absent optional ones left out);
+        ``layout`` is the input's (see :func:`forward`)."""
         pixels = self.out_h * self.out_w
+        data = (self.batch, self.in_channels, self.height, self.width)
+        if layout == "NHWC":
+            data = (self.batch, self.height, self.width, self.in_channels)
         shapes = {
-            "data": (self.batch, self.in_channels, self.height, self.width),
+            "data": data,
             "offset": (self.batch, 2 * self.offset_groups * self.taps, pixels),
         }
         if self.has_mask:
@@ -322,8 +326,11 @@ class _Sampling:
         return sample_rows, sample_cols, sample_coef
 
 
-def _columns(shape: ConvShape, data: te.Tensor, geometry, padded: int) -> te.Tensor:
-    """``columns[n, c, k, p]``: the sampled, masked image (the deformed im2col matrix)."""
+def _columns(
+    shape: ConvShape, data: te.Tensor, geometry, padded: int, layout: str = "NCHW"
+) -> te.Tensor:
+    """``columns[n, c, k, p]``: the sampled, masked image (the deformed im2col matrix), from
+    ``data`` in ``layout``."""
     sample_rows, sample_cols, sample_coef = geometry
     acc = shape.accumulator_dtype
     channels_per_offset_group = shape.in_channels // shape.offset_groups
@@ -334,15 +341,16 @@ def _columns(shape: ConvShape, data: te.Tensor, geometry, padded: int) -> te.Ten
         for q in range(4):
             row = sample_rows[n, g, k, q // 2, p]
             col = sample_cols[n, g, k, q % 2, p]
-            total = total + sample_coef[n, g, k, q, p] * data[n, c, row, col].astype(acc)
+            value = data[n, row, col, c] if layout == "NHWC" else data[n, c, row, col]
+            total = total + sample_coef[n, g, k, q, p] * value.astype(acc)
         return total
 
     return te.compute((shape.batch, shape.in_channels, shape.taps, padded), column, name="columns")
 
 
-def _placeholders(shape: ConvShape):
+def _placeholders(shape: ConvShape, layout: str = "NCHW"):
     dtype = shape.dtype
-    shapes = shape.buffer_shapes()
+    shapes = shape.buffer_shapes(layout)
     data = te.placeholder(shapes["data"], dtype, name="data")
     offset = te.placeholder(shapes["offset"], dtype, name="offset")
     mask = te.placeholder(shapes["mask"], dtype, name="mask") if shape.has_mask else None
@@ -351,17 +359,22 @@ def _placeholders(shape: ConvShape):
     return data, offset, mask, weight, bias
 
 
-def forward_tensors(shape: ConvShape) -> list[te.Tensor]:
-    """The TE tensors of the forward op: the inputs followed by the output."""
+#: the input layouts the forward is defined for: torch's default (contiguous) and channels_last
+LAYOUTS = ("NCHW", "NHWC")
+
+
+def forward_tensors(shape: ConvShape, layout: str = "NCHW") -> list[te.Tensor]:
+    """The TE tensors of the forward op: the inputs (the input in ``layout``) followed by the
+    output."""
     dtype, acc = shape.dtype, shape.accumulator_dtype
     pixels = shape.out_h * shape.out_w
     padded = padded_pixels(pixels)
     weight_in = shape.in_channels // shape.weight_groups
     out_per_group = shape.out_channels // shape.weight_groups
 
-    data, offset, mask, weight, bias = _placeholders(shape)
+    data, offset, mask, weight, bias = _placeholders(shape, layout)
     sampling = _Sampling(shape, offset, mask)
-    columns = _columns(shape, data, sampling.geometry(select=True), padded)
+    columns = _columns(shape, data, sampling.geometry(select=True), padded, layout)
 
     rc = te.reduce_axis((0, weight_in), name="rc")
     rk = te.reduce_axis((0, shape.taps), name="rk")
@@ -387,13 +400,19 @@ def forward_tensors(shape: ConvShape) -> list[te.Tensor]:
     return [*inputs, result]
 
 
-def forward(shape: ConvShape) -> tirx.PrimFunc:
+def forward(shape: ConvShape, layout: str = "NCHW") -> tirx.PrimFunc:
     """The forward PrimFunc of ``shape``, unscheduled, named ``deform_conv2d``.
 
     Arguments, in order: data, offset, mask (if ``has_mask``), weight, bias (if ``has_bias``),
-    output; shapes as :meth:`ConvShape.buffer_shapes` gives them.
+    output; shapes as :meth:`ConvShape.buffer_shapes` gives them. ``layout`` is the input's:
+    "NCHW", or "NHWC" (a ``channels_last`` torch tensor, read in place); the PrimFunc then
+    carries the attribute ``data_layout`` so that a schedule knows its channels are contiguous.
+    The output is NCHW either way.
     """
-    return _prim_func(forward_tensors(shape), "deform_conv2d")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    func = _prim_func(forward_tensors(shape, layout), "deform_conv2d")
+    return func.with_attr("data_layout", layout) if layout != "NCHW" else func
 
 
 @dataclasses.dataclass(frozen=True)

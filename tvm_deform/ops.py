@@ -33,14 +33,18 @@ def run_forward(
     if shape.batch == 0:
         return output
     cuda = input.device.type == "cuda"
-    kernel = kernel or build.get_kernel(shape, device_target(input.device))
+    # A channels_last input on the CPU is read in place by a kernel that takes NHWC.
+    nhwc = kernel is None and not cuda and _is_channels_last(input)
+    if kernel is None:
+        layout = "NHWC" if nhwc else "NCHW"
+        kernel = build.get_kernel(shape, device_target(input.device), layout=layout)
     if not cuda:
         build.configure_threads(torch.get_num_threads())
     pixels = shape.out_h * shape.out_w
     # .contiguous() returns the tensor itself when it already is; the views below are free, so a
     # contiguous tensor reaches the kernel without a copy (TVM reads torch memory via DLPack).
     args = [
-        input.contiguous(),
+        input.permute(0, 2, 3, 1) if nhwc else input.contiguous(),
         offset.contiguous().view(shape.batch, -1, pixels),
     ]
     if mask is not None:
@@ -55,6 +59,11 @@ def run_forward(
     else:
         kernel(*args)
     return output
+
+
+def _is_channels_last(input: torch.Tensor) -> bool:
+    """A channels_last tensor that is not also NCHW-contiguous (one channel, or 1x1 images)."""
+    return input.is_contiguous(memory_format=torch.channels_last) and not input.is_contiguous()
 
 
 def device_target(device: torch.device) -> Target:
