@@ -28,52 +28,24 @@ from __future__ import annotations
 import dataclasses
 
 from tvm import s_tir, tirx
-from tvm.target import Target, codegen
+from tvm.target import Target
+from tvm_deform.schedules.common import (
+    GEOMETRY,
+    extents,
+    is_deform_conv,
+    lanes,
+    largest_divisor,
+    vector_registers,
+)
 
-from tvm_deform.definition import PIXEL_QUANTUM
-
-
-def vector_bytes(target: Target) -> int:
-    """Bytes in one SIMD register of the LLVM ``target``, from its instruction-set features
-    (LLVM's own ``llvm_get_vector_width`` answers 512 bits for every x86 target): 64 with
-    AVX-512, 32 with AVX, else 16 (SSE, NEON, and SVE scheduled as NEON)."""
-    if target.kind.name != "llvm":
-        return 16
-    if not str(target.attrs.get("mtriple", "x86_64")).startswith(("x86_64", "i686", "i386")):
-        return 16
-    for feature, size in (("avx512f", 64), ("avx", 32)):
-        if codegen.target_has_features(feature, target):
-            return size
-    return 16
-
-
-def vector_registers(target: Target) -> int:
-    """SIMD registers of the LLVM ``target``: 32 with AVX-512 and on aarch64, 16 with AVX/SSE."""
-    return 32 if vector_bytes(target) == 64 or _is_arm(target) else 16
-
-
-def _is_arm(target: Target) -> bool:
-    return str(target.attrs.get("mtriple", "")).startswith(("aarch64", "arm"))
-
-
-def lanes(target: Target, dtype: str) -> int:
-    """Vector lanes of the float ``dtype`` on the LLVM ``target``."""
-    return max(1, vector_bytes(target) * 8 // int(dtype.removeprefix("float")))
-
-
-def largest_divisor(n: int, at_most: int) -> int:
-    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
-
-
-def extents(sch: s_tir.Schedule, loops) -> list[int]:
-    return [int(sch.get(loop).extent) for loop in loops]
+from tvm_deform.ir.definition import PIXEL_QUANTUM
 
 
 class DefaultCPU:
     """The untuned CPU schedule: valid for every shape and dtype the definition produces.
 
     ``apply(func, target)`` returns a :class:`tvm.s_tir.Schedule`, or ``None`` when ``func`` is
-    not a deformable convolution from :mod:`tvm_deform.definition`.
+    not a deformable convolution from :mod:`tvm_deform.ir.definition`.
     """
 
     #: output channels held in registers at once (rows of the register block), with 32 vector
@@ -222,19 +194,6 @@ def _choose(sch: s_tir.Schedule, candidates: list[int], fallback: int):
     if len(candidates) <= 1:
         return candidates[0] if candidates else fallback
     return sch.sample_categorical(candidates, [1.0 / len(candidates)] * len(candidates))
-
-
-def is_deform_conv(sch: s_tir.Schedule) -> bool:
-    """Whether ``sch`` holds the forward PrimFunc of :mod:`tvm_deform.definition`."""
-    try:
-        for name in ("conv", "columns", "output", *GEOMETRY):
-            sch.get_sblock(name)
-    except Exception:  # noqa: BLE001 - a missing block raises
-        return False
-    return True
-
-
-GEOMETRY = ("sample_coef", "sample_cols", "sample_rows")
 
 
 def apply_structure(

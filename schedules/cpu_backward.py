@@ -1,6 +1,6 @@
 """CPU schedules of the backward kernels (LLVM targets).
 
-Two rule objects, one per backward PrimFunc of :mod:`tvm_deform.definition`:
+Two rule objects, one per backward PrimFunc of :mod:`tvm_deform.ir.definition`:
 
 - ``DefaultCPUBackward`` for ``deform_conv2d_backward`` (every gradient but the input's). Each
   stage runs as its own parallel loop nest:
@@ -28,8 +28,8 @@ import dataclasses
 
 from tvm import s_tir, tirx
 from tvm.target import Target
-from tvm_deform.schedules.cpu import extents, largest_divisor
-from tvm_deform.schedules.cpu import lanes as vector_lanes
+from tvm_deform.schedules.common import extents, largest_divisor
+from tvm_deform.schedules.common import lanes as vector_lanes
 
 
 def _pixel_tile(pixels: int, lanes: int, vectors: int = 2) -> int:
@@ -69,13 +69,13 @@ def _block(sch: s_tir.Schedule, name: str):
         return None
 
 
-#: the stages of which :func:`tvm_deform.definition.backward` holds at least one (the others
+#: the stages of which :func:`tvm_deform.ir.definition.backward` holds at least one (the others
 #: are left out when their gradients are not asked for)
 BACKWARD_STAGES = ("grad_columns", "sampling_grad", "weight_sum")
 
 
 def is_backward(sch: s_tir.Schedule) -> bool:
-    """Whether ``sch`` holds one of :func:`tvm_deform.definition.backward`'s PrimFuncs."""
+    """Whether ``sch`` holds one of :func:`tvm_deform.ir.definition.backward`'s PrimFuncs."""
     return any(_block(sch, name) is not None for name in BACKWARD_STAGES)
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 from tvm.target import Target
-from tvm_deform.schedules.cpu import GEOMETRY, is_deform_conv
+from tvm_deform.schedules.common import GEOMETRY, is_deform_conv
 
 
 class DefaultCUDA:

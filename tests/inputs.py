@@ -6,35 +6,28 @@ import random
 
 import torch
 
-from tvm_deform.definition import ConvShape
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.tools.inputs import random_shape
 
 
 def random_config(rng: random.Random) -> dict:
-    groups = rng.choice([1, 1, 2, 3])
-    offset_groups = rng.choice([1, 1, 2])
-    kh, kw = rng.randint(1, 4), rng.randint(1, 4)
-    stride = (rng.randint(1, 3), rng.randint(1, 3))
-    padding = (rng.randint(0, 2), rng.randint(0, 2))
-    dilation = (rng.randint(1, 3), rng.randint(1, 3))
-    c = groups * offset_groups * rng.randint(1, 3)
-    o = groups * rng.randint(1, 3)
-    h = max(dilation[0] * (kh - 1) + 1 - 2 * padding[0], 1) + rng.randint(0, 8)
-    w = max(dilation[1] * (kw - 1) + 1 - 2 * padding[1], 1) + rng.randint(0, 8)
+    """A random configuration (as a dict of the tests' names) of the package's own generator."""
+    shape = random_shape(rng)
     return dict(
-        n=rng.randint(1, 3),
-        c=c,
-        h=h,
-        w=w,
-        o=o,
-        kh=kh,
-        kw=kw,
-        stride=stride,
-        padding=padding,
-        dilation=dilation,
-        groups=groups,
-        offset_groups=offset_groups,
-        use_mask=rng.random() < 0.7,
-        use_bias=rng.random() < 0.5,
+        n=shape.batch,
+        c=shape.in_channels,
+        h=shape.height,
+        w=shape.width,
+        o=shape.out_channels,
+        kh=shape.kernel_h,
+        kw=shape.kernel_w,
+        stride=(shape.stride_h, shape.stride_w),
+        padding=(shape.pad_h, shape.pad_w),
+        dilation=(shape.dilation_h, shape.dilation_w),
+        groups=shape.weight_groups,
+        offset_groups=shape.offset_groups,
+        use_mask=shape.has_mask,
+        use_bias=shape.has_bias,
     )
 
 

@@ -8,8 +8,9 @@ import torchvision.ops
 from conftest import assert_close
 from inputs import CONFIGS, make_inputs
 
-from tvm_deform import DeformConv2d, build, deform_conv2d
-from tvm_deform.definition import Gradients
+from tvm_deform import DeformConv2d, deform_conv2d
+from tvm_deform.ir.definition import Gradients
+from tvm_deform.runtime import kernels
 
 DIFFERENTIABLE = ("input", "offset", "weight", "bias", "mask")
 
@@ -281,13 +282,13 @@ def test_backward_computes_only_the_gradients_asked_for(required, monkeypatch):
     args = make_inputs(CONFIGS[0] | dict(use_mask=True, use_bias=True), torch.float32)
     _, full = gradients(deform_conv2d, args)
     asked = []
-    get_backward = build.get_backward
+    get_backward = kernels.get_backward
 
     def spy(shape, *rest, gradients, **kwargs):
         asked.append(gradients)
         return get_backward(shape, *rest, gradients=gradients, **kwargs)
 
-    monkeypatch.setattr(build, "get_backward", spy)
+    monkeypatch.setattr(kernels, "get_backward", spy)
     leaves = {name: args[name].detach().clone().requires_grad_(name in required) for name in full}
     output = deform_conv2d(**(args | leaves))
     g = torch.Generator().manual_seed(1)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tvm_deform.bench import compare_layer, measure, relative_error
-from tvm_deform.cli import main
-from tvm_deform.definition import ConvShape
-from tvm_deform.peers import available_peers
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.tools.bench import compare_layer, measure, relative_error
+from tvm_deform.tools.cli import main
+from tvm_deform.tools.peers import available_peers
 
 TINY = ConvShape(1, 4, 9, 9, 4, 3, 3, pad_h=1, pad_w=1, has_bias=True)
 

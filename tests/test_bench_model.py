@@ -7,9 +7,9 @@ import importlib.util
 import pytest
 import torch
 
-from tvm_deform import bench_model
-from tvm_deform.cli import main
-from tvm_deform.suite import load_suite
+from tvm_deform.tools import bench_model
+from tvm_deform.tools.cli import main
+from tvm_deform.tools.suite import load_suite
 
 
 def dcn_input_shapes(size: int) -> dict[str, tuple[int, ...]]:

@@ -13,8 +13,9 @@ import pytest
 import torch
 import tvm
 
-from tvm_deform import build, deform_conv2d
-from tvm_deform.definition import ConvShape
+from tvm_deform import deform_conv2d
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.runtime import kernels, targets
 
 SHAPE = ConvShape(1, 3, 7, 6, 2, 3, 3, pad_h=1, pad_w=1, has_bias=True)
 
@@ -35,21 +36,21 @@ def call(shape: ConvShape = SHAPE) -> torch.Tensor:
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("TVM_DEFORM_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TVM_DEFORM_CACHE", raising=False)
-    build.clear_memory_cache()
+    kernels.clear_memory_cache()
     yield tmp_path
-    build.clear_memory_cache()
+    kernels.clear_memory_cache()
 
 
 def test_disk_cache_is_written_then_reused(cache_dir, monkeypatch):
     expected = call()
     entries = list(cache_dir.glob("*.so"))
     assert len(entries) == 1
-    build.clear_memory_cache()
+    kernels.clear_memory_cache()
 
     def no_compile(*args, **kwargs):
         raise AssertionError("compiled although the disk cache holds the kernel")
 
-    monkeypatch.setattr(build, "compile_kernel", no_compile)
+    monkeypatch.setattr(kernels, "compile_kernel", no_compile)
     assert torch.equal(call(), expected)
 
 
@@ -87,12 +88,12 @@ def test_cache_can_be_turned_off(cache_dir, monkeypatch):
 
 
 def test_cache_key_separates_shapes_and_dtypes():
-    target = build.host_target()
+    target = targets.host_target()
     paths = {
-        build.cache_path(SHAPE, target),
-        build.cache_path(ConvShape(**{**SHAPE.__dict__, "dtype": "float64"}), target),
-        build.cache_path(ConvShape(**{**SHAPE.__dict__, "stride_w": 2}), target),
-        build.cache_path(ConvShape(**{**SHAPE.__dict__, "has_mask": False}), target),
+        kernels.cache_path(SHAPE, target),
+        kernels.cache_path(ConvShape(**{**SHAPE.__dict__, "dtype": "float64"}), target),
+        kernels.cache_path(ConvShape(**{**SHAPE.__dict__, "stride_w": 2}), target),
+        kernels.cache_path(ConvShape(**{**SHAPE.__dict__, "has_mask": False}), target),
     }
     assert len(paths) == 4
 
@@ -151,7 +152,7 @@ def test_tvm_pool_is_configured_in_every_calling_thread(monkeypatch):
 def test_python_threads_calling_at_once_get_the_right_values(cache_dir):
     shapes = [SHAPE, ConvShape(2, 3, 9, 8, 2, 3, 3, pad_h=1, pad_w=1, has_bias=True)]
     expected = {shape: call(shape) for shape in shapes}
-    build.clear_memory_cache()
+    kernels.clear_memory_cache()
     results: list[tuple[ConvShape, torch.Tensor]] = []
 
     def worker(shape: ConvShape) -> None:
@@ -172,7 +173,7 @@ def test_a_compile_does_not_block_other_shapes(cache_dir, monkeypatch):
     slow = ConvShape(1, 3, 11, 10, 2, 3, 3, pad_h=1, pad_w=1, has_bias=True)
     call()  # SHAPE is loaded
     release, started = threading.Event(), threading.Event()
-    compile_kernel = build.compile_kernel
+    compile_kernel = kernels.compile_kernel
 
     def blocked_compile(shape, *rest):
         if shape == slow:
@@ -180,7 +181,7 @@ def test_a_compile_does_not_block_other_shapes(cache_dir, monkeypatch):
             release.wait(timeout=120)
         return compile_kernel(shape, *rest)
 
-    monkeypatch.setattr(build, "compile_kernel", blocked_compile)
+    monkeypatch.setattr(kernels, "compile_kernel", blocked_compile)
     other = ConvShape(1, 3, 8, 8, 2, 3, 3, pad_h=1, pad_w=1, has_bias=True)
     thread = threading.Thread(target=call, args=(slow,))
     thread.start()
@@ -204,15 +205,15 @@ def test_calls_leave_cpu_affinity_alone():
 
 
 def test_host_target_names_the_cpu():
-    target = build.host_target()
+    target = targets.host_target()
     assert target.kind.name == "llvm"
-    assert target.attrs["mcpu"] == build.host_cpu()
-    assert build.hardware_key(target) == f"llvm/{build.host_cpu()}"
+    assert target.attrs["mcpu"] == targets.host_cpu()
+    assert targets.hardware_key(target) == f"llvm/{targets.host_cpu()}"
     assert int(target.attrs["num-cores"]) == os.cpu_count()
 
 
 def test_workload_key_lists_every_parameter():
-    key = build.workload_key(SHAPE, build.host_target())
+    key = targets.workload_key(SHAPE, targets.host_target())
     for field in SHAPE.__dataclass_fields__:
         assert f'"{field}"' in key
     assert '"mcpu"' in key
@@ -245,6 +246,8 @@ def test_package_data_is_installed(tmp_path):
         assert f"tvm_deform/schedules/{schedule}" in names
     for space in ("handwritten", "generic", "default"):
         assert f"tvm_deform/tuning_logs/llvm/znver4/{space}/database_tuning_record.json" in names
-    assert "tvm_deform/definition.py" in names
-    assert "tvm_deform/launcher.cc" in names
-    assert "tvm_deform/suite.json" in names
+    for layer in ("ir", "runtime", "binding", "compat", "tools"):
+        assert f"tvm_deform/{layer}/__init__.py" in names
+    assert "tvm_deform/ir/definition.py" in names
+    assert "tvm_deform/runtime/launcher.cc" in names
+    assert "tvm_deform/tools/suite.json" in names

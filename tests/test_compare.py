@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from tvm_deform import compare
-from tvm_deform.bench import Row, Timing
-from tvm_deform.cli import main
-from tvm_deform.definition import ConvShape
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.tools import compare
+from tvm_deform.tools.bench import Row, Timing
+from tvm_deform.tools.cli import main
 
 TINY = ConvShape(1, 4, 9, 9, 4, 3, 3, pad_h=1, pad_w=1)
 

@@ -18,7 +18,7 @@ from tvm_deform.compat import (
     sampled_image,
     to_npu_offset,
 )
-from tvm_deform.precision import diagnose, reduced_precision_deform_conv2d, round_mantissa
+from tvm_deform.compat.precision import diagnose, reduced_precision_deform_conv2d, round_mantissa
 
 
 def test_npu_layout_is_mmcvs_index_select():
@@ -329,7 +329,7 @@ def test_pack_module_gives_mmcvs_fixed_gradients(dtype, autocast):
 def test_offset_grad_rule_differs_only_at_minus_one():
     """torchvision's rule (the plain op) keeps the right-hand derivative at exactly -1, mmcv's
     gives 0 there; elsewhere, and in the forward, the two agree."""
-    from tvm_deform.ops import deform_conv2d_with_offset_grad_rule
+    from tvm_deform.binding.ops import deform_conv2d_with_offset_grad_rule
 
     x = torch.arange(9.0).reshape(1, 1, 3, 3)
     weight = torch.ones(1, 1, 2, 2)

@@ -17,11 +17,14 @@ from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
 from tvm_deform.schedules.cuda import DefaultCUDA
 
-from tvm_deform import build, definition, deform_conv2d, logs
-from tvm_deform.cli import main
-from tvm_deform.definition import ConvShape
-from tvm_deform.ops import run_forward
-from tvm_deform.suite import load_suite
+from tvm_deform import deform_conv2d
+from tvm_deform.binding.ops import run_forward
+from tvm_deform.ir import definition
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.runtime import records, targets
+from tvm_deform.tools import cuda_build
+from tvm_deform.tools.cli import main
+from tvm_deform.tools.suite import load_suite
 
 SUITE = load_suite()
 NVCC = shutil.which("nvcc")
@@ -30,23 +33,23 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GP
 
 
 def test_cuda_target_and_hardware_key():
-    target = build.cuda_target("sm_90")
+    target = targets.cuda_target("sm_90")
     assert target.kind.name == "cuda" and str(target.attrs["arch"]) == "sm_90"
     assert int(target.attrs["max_shared_memory_per_block"]) == 49152
     assert target.host.kind.name == "llvm"
-    assert build.hardware_key(target) == "cuda/sm_90"
+    assert targets.hardware_key(target) == "cuda/sm_90"
     with pytest.raises(ValueError, match="sm_90"):
-        build.cuda_target("hopper")
+        targets.cuda_target("hopper")
 
 
 @needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("name", list(SUITE))
 def test_suite_builds_to_machine_code(name, arch):
-    source = build.cuda_source(SUITE[name], arch)
+    source = cuda_build.cuda_source(SUITE[name], arch)
     declared = set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", source))
     assert len(declared) == 4  # three geometry kernels and the GEMM
-    built = build.nvcc_build(source, arch)
+    built = cuda_build.nvcc_build(source, arch)
     assert set(built.kernels) == declared
     assert built.machine_arch == int(arch.removeprefix("sm_"))
     assert set(built.kernels) == {f"deform_conv2d_kernel{s}" for s in ("", "_1", "_2", "_3")}
@@ -62,7 +65,7 @@ def test_shared_memory_stays_within_the_budget():
     rule = DefaultCUDA()
     for name, shape in SUITE.items():
         func = definition.forward(shape)
-        assert rule.apply(func, build.cuda_target("sm_90")) is not None
+        assert rule.apply(func, targets.cuda_target("sm_90")) is not None
         sch = s_tir.Schedule(func)
         used = rule.shared_bytes(sch, *rule.out_tile(sch))
         assert used <= rule.shared_budget, name
@@ -71,8 +74,8 @@ def test_shared_memory_stays_within_the_budget():
 def emulated_kernel(shape: ConvShape):
     """The CUDA schedule's loop structure compiled for this CPU (no thread bindings, shared
     buffers in global memory)."""
-    sch = DefaultCUDA(emulate=True).apply(definition.forward(shape), build.host_target())
-    return tvm.compile(sch.mod, target=build.host_target())["deform_conv2d"]
+    sch = DefaultCUDA(emulate=True).apply(definition.forward(shape), targets.host_target())
+    return tvm.compile(sch.mod, target=targets.host_target())["deform_conv2d"]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS[:10], ids=[f"cfg{i}" for i in range(10)])
@@ -149,7 +152,7 @@ def test_cuda_matches_torchvision_cuda(cfg):
 
 @needs_gpu
 def test_cuda_runs_on_the_current_stream_without_synchronising():
-    from tvm_deform.gpu_session import check_stream_capture
+    from tvm_deform.tools.gpu_session import check_stream_capture
 
     # Capturing a CUDA graph fails if a kernel is launched on another stream or if the host
     # synchronises; replaying it on the side stream must give a plain call's result.
@@ -170,7 +173,7 @@ def test_cuda_errors_are_clear():
 def test_gpu_session_steps_run_on_the_cpu(tmp_path):
     """The GPU session script's checking and timing steps, run on the CPU so that a GPU call
     does not find their bugs first."""
-    from tvm_deform import gpu_session
+    from tvm_deform.tools import gpu_session
 
     code = gpu_session.main(["--out", str(tmp_path), "--device", "cpu", "--checks", "2", "--quick"])
     results = json.loads((tmp_path / "gpu_results.json").read_text())
@@ -184,8 +187,8 @@ def test_gpu_session_steps_run_on_the_cpu(tmp_path):
 def test_generic_cuda_design_space_builds():
     """MetaSchedule's generic space for a CUDA target (what ``tvm-deform tune`` searches on a
     GPU) generates schedules of our PrimFunc that TVM and nvcc build, without a GPU."""
-    target = build.cuda_target("sm_90")
-    mod = logs.workload_module(SUITE["seed"])
+    target = targets.cuda_target("sm_90")
+    mod = records.workload_module(SUITE["seed"])
     context = ms.TuneContext(
         mod=mod, target=target, space_generator="post-order-apply", num_threads=1
     )
@@ -196,4 +199,4 @@ def test_generic_cuda_design_space_builds():
     with target:
         built = tvm.compile(sch.mod, target=target)
     source = built.mod.imports[0].inspect_source("cuda")
-    assert build.nvcc_build(source, "sm_90").kernels
+    assert cuda_build.nvcc_build(source, "sm_90").kernels

@@ -10,7 +10,7 @@ import torchvision.ops
 from conftest import assert_close
 
 from tvm_deform import deform_conv2d
-from tvm_deform.export import export_onnx
+from tvm_deform.binding.export import export_onnx
 
 
 class Block(torch.nn.Module):

@@ -11,7 +11,9 @@ from reference import deform_conv2d_reference
 from tvm_deform.schedules.cpu import DefaultCPU
 
 import tvm_deform
-from tvm_deform import DeformConv2d, build, definition, deform_conv2d
+from tvm_deform import DeformConv2d, deform_conv2d
+from tvm_deform.ir import definition
+from tvm_deform.runtime import kernels, targets
 
 
 def seed_inputs():
@@ -298,13 +300,13 @@ def test_channels_last_input_is_sampled_in_place(cfg, nchw_copies, monkeypatch):
     args = make_inputs(cfg, torch.float32)
     expected = torchvision.ops.deform_conv2d(**args)
     layouts = []
-    get_kernel = build.get_kernel
+    get_kernel = kernels.get_kernel
 
     def spy(shape, target=None, tuned=None, layout="NCHW"):
         layouts.append(layout)
         return get_kernel(shape, target, tuned, layout)
 
-    monkeypatch.setattr(build, "get_kernel", spy)
+    monkeypatch.setattr(kernels, "get_kernel", spy)
     channels_last = args["input"].contiguous(memory_format=torch.channels_last)
     assert not channels_last.is_contiguous()
     ours = deform_conv2d(**(args | dict(input=channels_last)))
@@ -316,7 +318,7 @@ def test_channels_last_input_is_sampled_in_place(cfg, nchw_copies, monkeypatch):
     shape = shape_of(cfg)
     scripts = {
         layout: DefaultCPU()
-        .apply(definition.forward(shape, layout), build.host_target())
+        .apply(definition.forward(shape, layout), targets.host_target())
         .mod.script()
         for layout in ("NCHW", "NHWC")
     }

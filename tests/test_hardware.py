@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 from tvm.target import Target
-from tvm_deform.schedules.cpu import vector_bytes
+from tvm_deform.schedules.common import vector_bytes
 
-from tvm_deform import build, hardware
-from tvm_deform.definition import ConvShape
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.runtime import hardware, kernels, targets
 
 # Trimmed from real /proc/cpuinfo files: an AVX2-only Zen 1, an AVX-512 Zen 4, a Neoverse V2.
 ZEN1 = """processor\t: 0
@@ -72,7 +72,7 @@ def test_this_host_agrees_with_proc_cpuinfo():
     assert cpu.flags == flags
     if cpu.machine == "x86_64":
         assert (cpu.vector_bits == 512) == ("avx512f" in flags)
-        assert vector_bytes(build.host_target()) * 8 == cpu.vector_bits
+        assert vector_bytes(targets.host_target()) * 8 == cpu.vector_bits
 
 
 def test_masked_avx512_is_turned_off_and_named():
@@ -81,10 +81,10 @@ def test_masked_avx512_is_turned_off_and_named():
         {"kind": "llvm", "mcpu": "znver4", "mattr": ["-avx512f"], "mtriple": "x86_64-linux-gnu"}
     )
     assert vector_bytes(target) == 32
-    assert build.hardware_key(target) == "llvm/znver4-noavx512"
+    assert targets.hardware_key(target) == "llvm/znver4-noavx512"
     plain = Target({"kind": "llvm", "mcpu": "znver4", "mtriple": "x86_64-linux-gnu"})
     assert vector_bytes(plain) == 64
-    assert build.hardware_key(plain) == "llvm/znver4"
+    assert targets.hardware_key(plain) == "llvm/znver4"
 
 
 def test_llvm_vector_width_query_is_not_used():
@@ -108,9 +108,9 @@ REGISTERS = {"avx2": "ymm", "avx512": "zmm", "sve": "v0.4s", "neon": "v0.4s"}
 @pytest.mark.parametrize("shape", SHAPES, ids=["dense", "depthwise"])
 def test_default_schedules_build_for_each_cpu(text, machine, shape):
     cpu = hardware.parse_cpuinfo(text, machine)
-    target = build.cpu_target(cpu)
-    forward = build.compile_kernel(shape, target).mod.inspect_source("asm")
-    build.compile_backward(shape, target)
+    target = targets.cpu_target(cpu)
+    forward = kernels.compile_kernel(shape, target).mod.inspect_source("asm")
+    kernels.compile_backward(shape, target)
     assert REGISTERS[cpu.isa] in forward
     if cpu.isa == "avx2":
         assert "zmm" not in forward  # no AVX-512 instruction on an AVX2-only CPU

@@ -10,8 +10,11 @@ import torch
 import torchvision.ops
 from conftest import assert_close
 
-from tvm_deform import build, definition, deform_conv2d
-from tvm_deform.definition import ConvShape
+from tvm_deform import deform_conv2d
+from tvm_deform.ir import definition
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.runtime import kernels, targets
+from tvm_deform.tools import cuda_build
 
 #: the smallest square side whose plane passes 2**31 - 1 elements; a stride of 331 puts the
 #: last output row on the last image row (46340 = 140 * 331)
@@ -52,8 +55,8 @@ def test_buffers_past_int32_are_indexed_in_int64(shape, which):
         dtypes = index_dtypes(func)
         assert dtypes["int32"] == 0 and dtypes["int64"] > 0
     # The default schedules apply to them and compile, CPU and CUDA.
-    build.compile_kernel(LARGE, build.host_target())
-    assert "int64_t" in build.cuda_source(LARGE, "sm_90")
+    kernels.compile_kernel(LARGE, targets.host_target())
+    assert "int64_t" in cuda_build.cuda_source(LARGE, "sm_90")
 
 
 def bilinear_samples(data: torch.Tensor, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

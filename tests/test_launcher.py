@@ -11,8 +11,9 @@ import threading
 import pytest
 import torch
 
-from tvm_deform import build, deform_conv2d, launcher
-from tvm_deform.definition import ConvShape
+from tvm_deform import deform_conv2d
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.runtime import kernels, launcher, targets
 
 # Big enough for several parallel tasks (pixel tiles), small enough to compile in seconds.
 SHAPE = ConvShape(2, 16, 12, 13, 24, 3, 3, pad_h=1, pad_w=1, has_bias=True)
@@ -54,7 +55,7 @@ def test_launcher_is_built_and_attached(pool):
     pool("torch")
     assert launcher.enabled(), launcher.unavailable_reason
     deform_conv2d(padding=1, **inputs())
-    path = build.cache_path(SHAPE, build.host_target())
+    path = kernels.cache_path(SHAPE, targets.host_target())
     assert path.exists()
     assert launcher.launch_target(path) == launcher.get().address
 
@@ -62,11 +63,11 @@ def test_launcher_is_built_and_attached(pool):
 def test_tvm_pool_when_turned_off(pool):
     pool("tvm")
     deform_conv2d(padding=1, **inputs())
-    path = build.cache_path(SHAPE, build.host_target())
+    path = kernels.cache_path(SHAPE, targets.host_target())
     assert path.exists()
     assert launcher.launch_target(path) not in (None, launcher.get().address)
     pool("torch")
-    assert build.cache_path(SHAPE, build.host_target()) != path  # one file per pool
+    assert kernels.cache_path(SHAPE, targets.host_target()) != path  # one file per pool
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -144,7 +145,7 @@ def test_without_a_compiler_falls_back_with_one_warning(tmp_path):
     code = textwrap.dedent(
         """
         import warnings, torch, torchvision, tvm_deform
-        from tvm_deform import launcher
+        from tvm_deform.runtime import launcher
         warnings.simplefilter("always")
         x, o, w = torch.randn(1, 4, 9, 9), torch.randn(1, 18, 7, 7), torch.randn(5, 4, 3, 3)
         with warnings.catch_warnings(record=True) as caught:

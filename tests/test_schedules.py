@@ -21,9 +21,10 @@ from tvm_deform.schedules.cpu import (
     largest_divisor,
 )
 
-from tvm_deform import build, definition
-from tvm_deform.definition import ConvShape
-from tvm_deform.ops import run_forward
+from tvm_deform.binding.ops import run_forward
+from tvm_deform.ir import definition
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.runtime import targets
 
 TOLERANCE = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -31,7 +32,7 @@ TOLERANCE = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 def check(sch: s_tir.Schedule, cfg: dict, dtype: torch.dtype = torch.float32) -> None:
     """Compile ``sch`` for this CPU and compare its output with torchvision's (computed in
     float64 from the same, rounded, inputs)."""
-    kernel = tvm.compile(sch.mod, target=build.host_target())["deform_conv2d"]
+    kernel = tvm.compile(sch.mod, target=targets.host_target())["deform_conv2d"]
     args = make_inputs(cfg, dtype)
     ours = run_forward(
         shape_of(cfg, dtype),
@@ -133,7 +134,7 @@ def blocks(sch: s_tir.Schedule) -> set[str]:
 
 
 def test_default_picks_the_structure_from_the_layer():
-    target = build.host_target()
+    target = targets.host_target()
     few = DefaultCPU().apply(definition.forward(ConvShape(1, 3, 8, 8, 4, 3, 3)), target)
     many = DefaultCPU().apply(definition.forward(ConvShape(1, 16, 8, 8, 4, 3, 3)), target)
     depthwise = ConvShape(1, 16, 8, 8, 16, 3, 3, weight_groups=16)

@@ -15,22 +15,23 @@ from conftest import assert_close
 from reference import deform_conv2d_reference
 from tvm.s_tir import meta_schedule as ms
 
-from tvm_deform import build, deform_conv2d, dispatch, logs
-from tvm_deform.definition import ConvShape
-from tvm_deform.inputs import conv_kwargs, random_inputs
-from tvm_deform.suite import load_suite
-from tvm_deform.tuning import convergence_table, count_records, trial_history, tune
+from tvm_deform import deform_conv2d
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.runtime import dispatch, kernels, records, targets
+from tvm_deform.tools.inputs import conv_kwargs, random_inputs
+from tvm_deform.tools.suite import load_suite
+from tvm_deform.tools.tuning import convergence_table, count_records, trial_history, tune
 
 TINY = ConvShape(1, 8, 10, 10, 8, 3, 3, pad_h=1, pad_w=1, has_bias=True)
 
 
 @pytest.fixture(autouse=True)
 def _fresh_lookups():
-    logs.forget_databases()
-    build.clear_memory_cache()
+    records.forget_databases()
+    kernels.clear_memory_cache()
     yield
-    logs.forget_databases()
-    build.clear_memory_cache()
+    records.forget_databases()
+    kernels.clear_memory_cache()
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def test_smoke_tune_runs_and_resumes(tuned):
     first, second, work, out = tuned
     assert first.trials >= 1 and first.best_ms is not None
     assert second.trials > first.trials  # the second run added to the same database
-    key = build.hardware_key(build.host_target())
+    key = targets.hardware_key(targets.host_target())
     manifest = json.loads((out / key / "manifest.json").read_text())
     assert manifest["tvm_version"] == tvm.__version__
     assert manifest["workloads"]["tiny"]["handwritten"]["trials"] == second.trials
@@ -91,26 +92,26 @@ def test_smoke_tune_runs_and_resumes(tuned):
 
 def test_default_schedule_is_measured_and_wins_when_faster(tuned, tmp_path, monkeypatch):
     *_, out = tuned
-    key = build.hardware_key(build.host_target())
-    assert count_records(out / key / logs.DEFAULT_SPACE, TINY) >= 1
+    key = targets.hardware_key(targets.host_target())
+    assert count_records(out / key / records.DEFAULT_SPACE, TINY) >= 1
     manifest = json.loads((out / key / "manifest.json").read_text())
-    assert manifest["workloads"]["tiny"][logs.DEFAULT_SPACE]["best_ms"] > 0
+    assert manifest["workloads"]["tiny"][records.DEFAULT_SPACE]["best_ms"] > 0
     # Give the default schedule a measurement faster than every tuned record: dispatch must
     # then use the default schedule.
     shutil.copytree(out, tmp_path / "logs")
     (tmp_path / "logs" / key / dispatch.LOGS_DECISIONS).unlink()  # the tuner's rule alone
-    default_dir = tmp_path / "logs" / key / logs.DEFAULT_SPACE
+    default_dir = tmp_path / "logs" / key / records.DEFAULT_SPACE
     db = ms.database.JSONDatabase(work_dir=str(default_dir), allow_missing=False)
-    (record,) = db.get_top_k(db.commit_workload(logs.workload_module(TINY)), 1)
+    (record,) = db.get_top_k(db.commit_workload(records.workload_module(TINY)), 1)
     db.commit_tuning_record(
         ms.database.TuningRecord(
             record.trace, record.workload, [1e-9], record.target, record.args_info
         )
     )
     monkeypatch.setenv("TVM_DEFORM_LOGS", str(tmp_path / "logs"))
-    spaces = {r.space for r in logs.find_records(TINY, build.host_target(), key)}
-    assert spaces == {"handwritten", logs.DEFAULT_SPACE}
-    assert build.resolve(TINY, build.host_target()) is None
+    spaces = {r.space for r in records.find_records(TINY, targets.host_target(), key)}
+    assert spaces == {"handwritten", records.DEFAULT_SPACE}
+    assert kernels.resolve(TINY, targets.host_target()) is None
     check_against_reference(TINY)
 
 
@@ -119,66 +120,66 @@ def without_default(out, tmp_path):
     tuned records are dispatched whatever the smoke tune's few trials found."""
     copy = tmp_path / "logs"
     shutil.copytree(out, copy)
-    shutil.rmtree(copy / build.hardware_key(build.host_target()) / logs.DEFAULT_SPACE)
-    (copy / build.hardware_key(build.host_target()) / dispatch.LOGS_DECISIONS).unlink()
+    shutil.rmtree(copy / targets.hardware_key(targets.host_target()) / records.DEFAULT_SPACE)
+    (copy / targets.hardware_key(targets.host_target()) / dispatch.LOGS_DECISIONS).unlink()
     return copy
 
 
 def test_tuned_record_is_dispatched_and_correct(tuned, tmp_path, monkeypatch):
     *_, out = tuned
     monkeypatch.setenv("TVM_DEFORM_LOGS", str(without_default(out, tmp_path)))
-    record = build.resolve(TINY, build.host_target())
+    record = kernels.resolve(TINY, targets.host_target())
     assert record is not None and record.space == "handwritten"
-    assert record.hardware_key == build.hardware_key(build.host_target())
+    assert record.hardware_key == targets.hardware_key(targets.host_target())
     check_against_reference(TINY)
     monkeypatch.setenv("TVM_DEFORM_TUNED", "0")
-    assert build.resolve(TINY, build.host_target()) is None
+    assert kernels.resolve(TINY, targets.host_target()) is None
     check_against_reference(TINY)
 
 
 def test_backward_smoke_tune_is_dispatched_and_correct(tuned_backward, tmp_path, monkeypatch):
     result, work, out = tuned_backward
     assert result.workload == "tiny:backward" and result.best_ms is not None
-    key = build.hardware_key(build.host_target())
+    key = targets.hardware_key(targets.host_target())
     manifest = json.loads((out / key / "manifest.json").read_text())
     assert manifest["workloads"]["tiny:backward"]["handwritten"]["trials"] == result.trials
     assert count_records(out / key / "handwritten", TINY, "backward") >= 1
     assert count_records(out / key / "handwritten", TINY) == 0  # the forward was not tuned
-    assert count_records(out / key / logs.DEFAULT_SPACE, TINY, "backward") == 1
+    assert count_records(out / key / records.DEFAULT_SPACE, TINY, "backward") == 1
     monkeypatch.setenv("TVM_DEFORM_LOGS", str(without_default(out, tmp_path)))
-    record = build.resolve(TINY, build.host_target(), op="backward")
+    record = kernels.resolve(TINY, targets.host_target(), op="backward")
     assert record is not None and record.space == "handwritten"
     check_gradients_against_torchvision(TINY)
 
 
 def test_corrupt_log_directory_falls_back_with_a_warning(tmp_path, monkeypatch):
-    space = tmp_path / build.hardware_key(build.host_target()) / "handwritten"
+    space = tmp_path / targets.hardware_key(targets.host_target()) / "handwritten"
     space.mkdir(parents=True)
     (space / "database_workload.json").write_text("{ not json")
     (space / "database_tuning_record.json").write_text("[1, 2")
     monkeypatch.setenv("TVM_DEFORM_LOGS", str(tmp_path))
     with pytest.warns(RuntimeWarning, match="ignoring unreadable tuning log"):
-        assert build.resolve(TINY, build.host_target()) is None
+        assert kernels.resolve(TINY, targets.host_target()) is None
     check_against_reference(TINY)
 
 
 def test_missing_log_directory_falls_back_with_a_warning(tmp_path, monkeypatch):
     monkeypatch.setenv("TVM_DEFORM_LOGS", str(tmp_path / "nowhere"))
     with pytest.warns(RuntimeWarning, match="does not exist"):
-        assert build.resolve(TINY, build.host_target()) is None
+        assert kernels.resolve(TINY, targets.host_target()) is None
 
 
 def shipped_databases():
-    root = logs.shipped_logs_dir()
+    root = records.shipped_logs_dir()
     return sorted(p.parent for p in root.glob("*/*/*/database_workload.json"))
 
 
 @pytest.mark.parametrize("directory", shipped_databases(), ids=lambda p: str(p.parent.name))
 def test_every_shipped_record_matches_a_suite_workload(directory):
     suite = {
-        (name, op): logs.workload_module(shape, op)
+        (name, op): records.workload_module(shape, op)
         for name, shape in load_suite().items()
-        for op in logs.OPS
+        for op in records.OPS
     }
     db = ms.database.JSONDatabase(work_dir=str(directory), allow_missing=False)
     records = db.get_all_tuning_records()
@@ -191,18 +192,18 @@ def test_every_shipped_record_matches_a_suite_workload(directory):
 
 def test_shipped_records_give_correct_kernels():
     """Every suite workload that resolves to a shipped record for this machine is correct."""
-    target = build.host_target()
+    target = targets.host_target()
     resolved = {
         name: shape
         for name, shape in load_suite().items()
-        if build.resolve(shape, target) is not None
+        if kernels.resolve(shape, target) is not None
     }
     if not resolved:
-        pytest.skip(f"no shipped tuning logs for {build.hardware_key(target)}")
+        pytest.skip(f"no shipped tuning logs for {targets.hardware_key(target)}")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for shape in load_suite().values():
-            if build.resolve(shape, target, op="backward") is not None:
+            if kernels.resolve(shape, target, op="backward") is not None:
                 check_gradients_against_torchvision(shape)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -228,12 +229,12 @@ def test_suite_has_the_layers_users_run():
 def foreign_logs(out, tmp_path, isa: str | None = None):
     """The smoke tune's logs (default schedule's measurement included) moved under another
     machine's hardware key, whose manifest says it had ``isa`` (default: this machine's)."""
-    target = build.host_target()
+    target = targets.host_target()
     copy = tmp_path / "logs"
-    shutil.copytree(out / build.hardware_key(target), copy / "llvm" / "elsewhere")
+    shutil.copytree(out / targets.hardware_key(target), copy / "llvm" / "elsewhere")
     path = copy / "llvm" / "elsewhere" / "manifest.json"
     manifest = json.loads(path.read_text())
-    manifest.update(hardware_key="llvm/elsewhere", isa=isa or build.target_isa(target))
+    manifest.update(hardware_key="llvm/elsewhere", isa=isa or targets.target_isa(target))
     path.write_text(json.dumps(manifest))
     return copy
 
@@ -256,25 +257,25 @@ def test_other_machines_records_are_timed_here_and_the_decision_kept(
     tuned, tmp_path, monkeypatch, counted_measure
 ):
     *_, out = tuned
-    target = build.host_target()
+    target = targets.host_target()
     monkeypatch.setenv("TVM_DEFORM_LOGS", str(foreign_logs(out, tmp_path)))
     monkeypatch.setenv("TVM_DEFORM_CACHE_DIR", str(tmp_path / "cache"))
     # The foreign logs hold their default schedule's measurement too: it is not trusted here.
-    record = build.resolve(TINY, target)
+    record = kernels.resolve(TINY, target)
     assert counted_measure == [["default", "llvm/elsewhere/handwritten"]]
     (entry,) = dispatch.read_decisions(target).values()
     assert entry["choice"] == dispatch.option_name(record)
     assert set(entry["median_ms"]) == {"default", "llvm/elsewhere/handwritten"}
     check_against_reference(TINY)
     # Another process (here: a fresh lookup) takes the decision from disk, without timing.
-    build.clear_memory_cache()
-    again = build.resolve(TINY, target)
+    kernels.clear_memory_cache()
+    again = kernels.resolve(TINY, target)
     assert dispatch.option_name(again) == entry["choice"] and len(counted_measure) == 1
     # The file decides: flip the choice and the lookup follows it.
     flipped = "default" if entry["choice"] != "default" else "llvm/elsewhere/handwritten"
     path = dispatch.decisions_path(target)
     path.write_text(path.read_text().replace(f'"{entry["choice"]}"', f'"{flipped}"', 1))
-    assert dispatch.option_name(build.resolve(TINY, target)) == flipped
+    assert dispatch.option_name(kernels.resolve(TINY, target)) == flipped
     assert len(counted_measure) == 1
 
 
@@ -282,16 +283,16 @@ def test_measuring_can_be_turned_off(tuned, tmp_path, monkeypatch, counted_measu
     *_, out = tuned
     monkeypatch.setenv("TVM_DEFORM_LOGS", str(foreign_logs(out, tmp_path)))
     monkeypatch.setenv("TVM_DEFORM_MEASURE", "0")
-    assert build.resolve(TINY, build.host_target()) is None
+    assert kernels.resolve(TINY, targets.host_target()) is None
     assert counted_measure == []
 
 
 def test_records_of_another_isa_are_not_candidates(tuned, tmp_path, monkeypatch, counted_measure):
     *_, out = tuned
-    other = "avx2" if build.target_isa(build.host_target()) != "avx2" else "avx512"
+    other = "avx2" if targets.target_isa(targets.host_target()) != "avx2" else "avx512"
     monkeypatch.setenv("TVM_DEFORM_LOGS", str(foreign_logs(out, tmp_path, isa=other)))
-    assert logs.foreign_records(TINY, build.host_target(), "llvm/here") == []
-    assert build.resolve(TINY, build.host_target()) is None
+    assert records.foreign_records(TINY, targets.host_target(), "llvm/here") == []
+    assert kernels.resolve(TINY, targets.host_target()) is None
     assert counted_measure == []
 
 
@@ -300,11 +301,11 @@ def test_own_logs_decide_without_timing(tuned, tmp_path, monkeypatch, counted_me
     logs_dir = foreign_logs(out, tmp_path)
     shutil.copytree(out, logs_dir, dirs_exist_ok=True)  # this machine's own key beside it
     monkeypatch.setenv("TVM_DEFORM_LOGS", str(logs_dir))
-    target = build.host_target()
-    record = build.resolve(TINY, target)
+    target = targets.host_target()
+    record = kernels.resolve(TINY, target)
     # The choice written at tuning time (timed through the op) decides; the foreign records
     # beside it are neither timed nor chosen.
-    own = logs.own_records(TINY, target, build.hardware_key(target))
+    own = records.own_records(TINY, target, targets.hardware_key(target))
     decision = dispatch.own_decision(TINY, "forward", own)
     assert decision is not None
     expected = dispatch.own_options(own)[decision["choice"]]
@@ -315,11 +316,11 @@ def test_own_logs_decide_without_timing(tuned, tmp_path, monkeypatch, counted_me
 
 def test_trial_history_and_convergence_table(tuned):
     _, second, work, _ = tuned
-    key = build.hardware_key(build.host_target())
+    key = targets.hardware_key(targets.host_target())
     history = trial_history(work / key / "handwritten", TINY)
     assert len(history) >= second.trials  # failed candidates are in the history too
     assert min(history) == pytest.approx(second.best_ms)
-    table = convergence_table(work, {"tiny": TINY}, build.host_target())
+    table = convergence_table(work, {"tiny": TINY}, targets.host_target())
     (line,) = [x for x in table.splitlines() if x.startswith("| tiny |")]
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert float(cells[-2]) == pytest.approx(min(history), abs=1e-3)  # best after all trials
@@ -328,7 +329,7 @@ def test_trial_history_and_convergence_table(tuned):
 
 def test_tuning_writes_a_choice_timed_through_the_op(tuned, tmp_path, monkeypatch, counted_measure):
     *_, out = tuned
-    key = build.hardware_key(build.host_target())
+    key = targets.hardware_key(targets.host_target())
     decisions = json.loads((out / key / dispatch.LOGS_DECISIONS).read_text())
     (entry,) = [e for e in decisions.values() if e["workload"] == "tiny"]  # the latest only
     assert set(entry["median_ms"]) == {"default", "handwritten"}
@@ -337,13 +338,13 @@ def test_tuning_writes_a_choice_timed_through_the_op(tuned, tmp_path, monkeypatc
     copy = tmp_path / "logs"
     shutil.copytree(out, copy)
     monkeypatch.setenv("TVM_DEFORM_LOGS", str(copy))
-    record = build.resolve(TINY, build.host_target())
+    record = kernels.resolve(TINY, targets.host_target())
     assert (record is None) == (entry["choice"] == "default")
     flipped = "default" if entry["choice"] != "default" else "handwritten"
     path = copy / key / dispatch.LOGS_DECISIONS
     path.write_text(
         path.read_text().replace(f'"choice": "{entry["choice"]}"', f'"choice": "{flipped}"')
     )
-    record = build.resolve(TINY, build.host_target())
+    record = kernels.resolve(TINY, targets.host_target())
     assert (record is None) == (flipped == "default")
     assert counted_measure == []

@@ -12,12 +12,12 @@ import statistics
 
 import torch
 
-from tvm_deform import build, hardware
-from tvm_deform.bench import measure
-from tvm_deform.definition import ConvShape
-from tvm_deform.inputs import conv_kwargs, random_inputs
-from tvm_deform.ops import run_forward
-from tvm_deform.suite import load_suite
+from tvm_deform.binding.ops import run_forward
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.runtime import hardware, kernels, targets
+from tvm_deform.tools.bench import measure
+from tvm_deform.tools.inputs import conv_kwargs, random_inputs
+from tvm_deform.tools.suite import load_suite
 
 SUITE_LAYERS = (
     "demo_64x56x56",
@@ -35,7 +35,7 @@ def time_layer(shape: ConvShape, targets: dict) -> dict[str, float]:
     args = random_inputs(shape)
     x, o, w, b, m = (args[k] for k in ("input", "offset", "weight", "bias", "mask"))
     calls = {
-        key: functools.partial(run_forward, shape, x, o, w, b, m, build.load_kernel(shape, t))
+        key: functools.partial(run_forward, shape, x, o, w, b, m, kernels.load_kernel(shape, t))
         for key, t in targets.items()
     }
     if not torch.allclose(calls["host"](), calls["avx2"](), atol=1e-4):
@@ -55,13 +55,15 @@ def main() -> None:
     layers = {name: suite[name] for name in SUITE_LAYERS}
     layers["c96_n2_40x48"] = ConvShape(2, 96, 40, 48, 96, 3, 3, pad_h=1, pad_w=1)
     layers["c192_n1_30x30"] = ConvShape(1, 192, 30, 30, 192, 3, 3, pad_h=1, pad_w=1)
-    avx2 = build.cpu_target(hardware.CPU("x86_64", "avx2", frozenset({"avx", "avx2", "fma"}), 2))
-    targets = {"host": build.host_target(), "avx2": avx2}
-    print(f"CPU {build.host_cpu()}, {torch.get_num_threads()} threads; default schedule, median ms")
+    avx2 = targets.cpu_target(hardware.CPU("x86_64", "avx2", frozenset({"avx", "avx2", "fma"}), 2))
+    compiled_for = {"host": targets.host_target(), "avx2": avx2}
+    print(
+        f"CPU {targets.host_cpu()}, {torch.get_num_threads()} threads; default schedule, median ms"
+    )
     print("| layer | this CPU's target | AVX2 (x86-64-v3) | conv2d | AVX2 / this CPU |")
     print("|---|---:|---:|---:|---:|")
     for name, shape in layers.items():
-        ms = time_layer(shape, targets)
+        ms = time_layer(shape, compiled_for)
         print(
             f"| {name} | {ms['host']:.2f} | {ms['avx2']:.2f} | {ms['dense']:.2f} "
             f"| {ms['avx2'] / ms['host']:.2f} |"

@@ -2,7 +2,7 @@
 # The second device call of a GPU session (README "Running on a GPU"), run in the repository
 # root on the GPU machine: join the wheel parts (one stashed in .gpu-stash/ by the first call,
 # one carried now in .gpu/), install TVM and this package into /tmp/site without network,
-# then build, check, tune and time with python -m tvm_deform.gpu_session.
+# then build, check, tune and time with python -m tvm_deform.tools.gpu_session.
 #   bash tools/gpu_session.sh OUT_DIR [gpu_session options, e.g. --trials 32]
 set -euo pipefail
 out=${1:?usage: tools/gpu_session.sh OUT_DIR [options]}
@@ -18,4 +18,4 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-d
     --target /tmp/site .
 # nvcc 13.0 is on the GPU image and was seen building kernels that run there.
 export PYTHONUNBUFFERED=1 TVM_DEFORM_CACHE_DIR=/tmp/tvm_deform_cache TVM_CUDA_COMPILE_MODE=nvcc
-python3 -m tvm_deform.gpu_session --out "$out" "$@" 2>&1 | tee "$out/log.txt"
+python3 -m tvm_deform.tools.gpu_session --out "$out" "$@" 2>&1 | tee "$out/log.txt"

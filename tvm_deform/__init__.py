@@ -5,8 +5,15 @@
 
 __version__ = "0.1.0"
 
-from . import env  # noqa: E402,F401 - must run before TVM is imported
-from .modules import DeformConv2d  # noqa: E402
-from .ops import deform_conv2d  # noqa: E402
+from tvm_deform import env  # noqa: E402,F401 - must run before TVM is imported
+from tvm_deform.binding.export import export_onnx, onnx_translation_table  # noqa: E402
+from tvm_deform.binding.modules import DeformConv2d  # noqa: E402
+from tvm_deform.binding.ops import deform_conv2d  # noqa: E402
 
-__all__ = ["DeformConv2d", "__version__", "deform_conv2d"]
+__all__ = [
+    "DeformConv2d",
+    "__version__",
+    "deform_conv2d",
+    "export_onnx",
+    "onnx_translation_table",
+]

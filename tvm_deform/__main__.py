@@ -1,3 +1,3 @@
-from .cli import main
+from tvm_deform.tools.cli import main
 
 raise SystemExit(main())

@@ -12,7 +12,7 @@ from pathlib import Path
 #: TVM's thread pool (used only when the launcher on torch's threads is off or unavailable, see
 #: ``launcher``) is created with ``TVM_NUM_THREADS`` workers, capped by default at half the
 #: logical cores (one thread on a 2-core machine). We let it hold every core and choose how many
-#: it uses per call (torch's thread count, see ``build.configure_threads``).
+#: it uses per call (torch's thread count, see ``kernels.configure_threads``).
 os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
 #: By default TVM pins its workers and the calling thread to cores; the calling thread is torch's
 #: main thread, whose own workers then inherit a one-core affinity and slow every torch op after
@@ -51,14 +51,14 @@ def tuned_enabled() -> bool:
 
 def launcher_enabled() -> bool:
     """``TVM_DEFORM_LAUNCHER=0`` runs the CPU kernels on TVM's own thread pool instead of
-    torch's intra-op threads (see :mod:`tvm_deform.launcher`)."""
+    torch's intra-op threads (see :mod:`tvm_deform.runtime.launcher`)."""
     return _flag("TVM_DEFORM_LAUNCHER", True)
 
 
 def measure_enabled() -> bool:
     """``TVM_DEFORM_MEASURE=0``: never time candidate schedules at a shape's first use; without
     tuning logs of this machine's own, the default schedule runs (see
-    :mod:`tvm_deform.dispatch`)."""
+    :mod:`tvm_deform.runtime.dispatch`)."""
     return _flag("TVM_DEFORM_MEASURE", True)
 
 

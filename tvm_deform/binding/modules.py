@@ -8,8 +8,8 @@ import torch
 from torch import nn
 from torch.nn import init
 
-from .ops import deform_conv2d
-from .validation import as_pair
+from tvm_deform.binding.ops import deform_conv2d
+from tvm_deform.binding.validation import as_pair
 
 __all__ = ["DeformConv2d"]
 

@@ -10,9 +10,10 @@ import torch
 import tvm_ffi
 from tvm.target import Target
 
-from . import build, definition
-from .definition import ConvShape
-from .validation import ArgumentError, as_pair, check_arguments
+from tvm_deform.binding.validation import ArgumentError, as_pair, check_arguments
+from tvm_deform.ir import definition
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.runtime import kernels, targets
 
 __all__ = ["deform_conv2d"]
 
@@ -24,7 +25,7 @@ def run_forward(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     mask: torch.Tensor | None,
-    kernel: build.Kernel | None = None,
+    kernel: kernels.Kernel | None = None,
 ) -> torch.Tensor:
     """Run ``kernel`` (default: the one dispatch picks for ``shape`` on the tensors' device)
     on validated tensors, CPU or CUDA. A CUDA kernel runs on torch's current stream of the
@@ -37,9 +38,9 @@ def run_forward(
     nhwc = kernel is None and not cuda and _is_channels_last(input)
     if kernel is None:
         layout = "NHWC" if nhwc else "NCHW"
-        kernel = build.get_kernel(shape, device_target(input.device), layout=layout)
+        kernel = kernels.get_kernel(shape, device_target(input.device), layout=layout)
     if not cuda:
-        build.configure_threads(torch.get_num_threads())
+        kernels.configure_threads(torch.get_num_threads())
     pixels = shape.out_h * shape.out_w
     # .contiguous() returns the tensor itself when it already is; the views below are free, so a
     # contiguous tensor reaches the kernel without a copy (TVM reads torch memory via DLPack).
@@ -71,8 +72,8 @@ def device_target(device: torch.device) -> Target:
     the GPU's compute capability (``sm_90`` on an H100 or H200)."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
-        return build.cuda_target(f"sm_{major}{minor}")
-    return build.host_target()
+        return targets.cuda_target(f"sm_{major}{minor}")
+    return targets.host_target()
 
 
 _TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -85,7 +86,7 @@ def run_backward_cpu(
     offset: torch.Tensor,
     weight: torch.Tensor,
     mask: torch.Tensor | None,
-    kernels: build.BackwardKernels | None = None,
+    compiled: kernels.BackwardKernels | None = None,
     output_mask: tuple[bool, bool, bool, bool, bool] = (True,) * 5,
 ) -> tuple[
     torch.Tensor | None,
@@ -97,7 +98,8 @@ def run_backward_cpu(
     """The gradients ``(input, offset, mask, weight, bias)`` of ``shape``'s forward for
     ``grad_output``, each computed only when ``output_mask`` asks for it (as in
     ``aten::convolution_backward``) and None otherwise; the mask's is None without a mask, the
-    bias's None when ``shape`` has no bias. ``kernels`` defaults to the ones dispatch picks for
+    bias's None when ``shape`` has no bias. ``compiled`` (the backward kernels) defaults to the
+    ones dispatch picks for
     ``shape`` and the gradients asked for."""
     want_input, want_offset, want_mask, want_weight, want_bias = output_mask
     want_mask = want_mask and mask is not None
@@ -119,11 +121,11 @@ def run_backward_cpu(
         if shape.has_bias:
             grad_bias = (weight.new_zeros if empty else weight.new_empty)(shape.out_channels)
     if not empty and gradients != definition.Gradients(False, False, False):
-        kernels = kernels or build.get_backward(shape, gradients=gradients)
-        build.configure_threads(torch.get_num_threads())
+        compiled = compiled or kernels.get_backward(shape, gradients=gradients)
+        kernels.configure_threads(torch.get_num_threads())
         _run_backward_kernels(
             shape,
-            kernels,
+            compiled,
             grad_output,
             input,
             offset,
@@ -142,7 +144,7 @@ def run_backward_cpu(
 
 
 def _run_backward_kernels(
-    shape, kernels, grad_output, input, offset, weight, mask, gradients, grads
+    shape, compiled, grad_output, input, offset, weight, mask, gradients, grads
 ) -> None:
     """Run the backward kernels into ``grads`` (input, offset, mask, weight, bias), with the
     arguments :func:`definition.backward` and :func:`definition.grad_input` take."""
@@ -175,9 +177,9 @@ def _run_backward_kernels(
         args.append(grad_weight.view(shape.out_channels, -1, shape.taps))
     if grad_bias is not None:
         args.append(grad_bias)
-    kernels.gradients(*args)
+    compiled.gradients(*args)
     if grad_input is not None:
-        kernels.grad_input(*workspaces, grad_input)
+        compiled.grad_input(*workspaces, grad_input)
 
 
 def _op_shape(input, offset, weight, bias, mask, *params: int) -> ConvShape:
@@ -225,23 +227,13 @@ def _deform_conv2d(
 
 @_deform_conv2d.register_fake
 def _deform_conv2d_fake(
-    input: torch.Tensor,
-    offset: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    stride_h: int,
-    stride_w: int,
-    pad_h: int,
-    pad_w: int,
-    dilation_h: int,
-    dilation_w: int,
-    offset_grad_rule: str = "torchvision",
+    input, offset, weight, bias, mask, *params, offset_grad_rule="torchvision"
 ) -> torch.Tensor:
-    _checked_rule(offset_grad_rule)
-    shape = _op_shape(
-        input, offset, weight, bias, mask, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w
-    )
+    """The op's output, without computing it (its arguments as the op's: the six geometry
+    integers, then the rule, which may come positionally too)."""
+    geometry, rest = params[:6], params[6:]
+    _checked_rule(rest[0] if rest else offset_grad_rule)
+    shape = _op_shape(input, offset, weight, bias, mask, *geometry)
     return input.new_empty((shape.batch, shape.out_channels, shape.out_h, shape.out_w))
 
 
@@ -295,29 +287,23 @@ def _output_mask(output_mask: list[bool] | None) -> tuple[bool, bool, bool, bool
 
 @_deform_conv2d_backward.register_fake
 def _deform_conv2d_backward_fake(
-    grad_output: torch.Tensor,
-    input: torch.Tensor,
-    offset: torch.Tensor,
-    weight: torch.Tensor,
-    mask: torch.Tensor | None,
-    has_bias: bool,
-    stride_h: int,
-    stride_w: int,
-    pad_h: int,
-    pad_w: int,
-    dilation_h: int,
-    dilation_w: int,
-    offset_grad_rule: str = "torchvision",
-    output_mask: list[bool] | None = None,
+    grad_output,
+    input,
+    offset,
+    weight,
+    mask,
+    has_bias,
+    *params,
+    offset_grad_rule="torchvision",
+    output_mask=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients' shapes, without computing them (arguments as the backward op's: the six
+    geometry integers, then the rule and the output mask, which may come positionally too)."""
+    geometry, rest = params[:6], params[6:]
+    offset_grad_rule = rest[0] if rest else offset_grad_rule
+    output_mask = rest[1] if len(rest) > 1 else output_mask
     shape = _backward_shape(
-        grad_output,
-        input,
-        offset,
-        weight,
-        mask,
-        has_bias,
-        (stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, offset_grad_rule),
+        grad_output, input, offset, weight, mask, has_bias, (*geometry, offset_grad_rule)
     )
     wants = _output_mask(output_mask)
     contiguous = torch.contiguous_format
@@ -492,38 +478,15 @@ def _checked_call(
     runs (a second check here cost 20 us a call); non-tensor arguments are reported here, where
     the message can name them. Under symbolic tracing (``torch.fx``, e.g. torchvision's feature
     extraction) the tensors are proxies and the op is recorded as one graph node."""
-    stride_h, stride_w = as_pair(stride, "stride")
-    pad_h, pad_w = as_pair(padding, "padding")
-    dilation_h, dilation_w = as_pair(dilation, "dilation")
+    geometry = (
+        *as_pair(stride, "stride"),
+        *as_pair(padding, "padding"),
+        *as_pair(dilation, "dilation"),
+    )
     tensors = (input, offset, weight, bias, mask)
     if not all(t is None or isinstance(t, (torch.Tensor, torch.fx.Proxy)) for t in tensors):
-        _op_shape(
-            input,
-            offset,
-            weight,
-            bias,
-            mask,
-            stride_h,
-            stride_w,
-            pad_h,
-            pad_w,
-            dilation_h,
-            dilation_w,
-        )
-    return torch.ops.tvm_deform.deform_conv2d(
-        input,
-        offset,
-        weight,
-        bias,
-        mask,
-        stride_h,
-        stride_w,
-        pad_h,
-        pad_w,
-        dilation_h,
-        dilation_w,
-        offset_grad_rule,
-    )
+        _op_shape(*tensors, *geometry)
+    return torch.ops.tvm_deform.deform_conv2d(*tensors, *geometry, offset_grad_rule)
 
 
 def deform_conv2d_with_offset_grad_rule(

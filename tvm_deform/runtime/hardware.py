@@ -17,7 +17,8 @@ The hardware key names the directory of a machine's tuning logs: ``llvm/<LLVM CP
 (``llvm/znver4``), with ``-noavx512`` appended in the masked case; ``cuda/<arch>``. The
 compatibility rule: another key's records are *candidates* on this machine when they are for the
 same target kind, the same architecture and the same vector ISA (from their manifest). They are
-never taken as measured here: :mod:`tvm_deform.dispatch` times them against the default schedule.
+never taken as measured here: :mod:`tvm_deform.runtime.dispatch` times them against the default
+schedule.
 """
 
 from __future__ import annotations

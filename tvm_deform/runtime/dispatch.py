@@ -33,9 +33,10 @@ from pathlib import Path
 import torch
 from tvm.target import Target
 
-from . import __version__, build, env, logs
-from .definition import ConvShape
-from .inputs import random_inputs
+from tvm_deform import __version__, env
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.runtime import kernels, records, targets
+from tvm_deform.tools.inputs import random_inputs
 
 #: total seconds of timing per shape and op, shared by the candidates
 BUDGET_SECONDS = 1.0
@@ -50,17 +51,19 @@ _lock = threading.Lock()
 
 
 def decisions_path(target: Target) -> Path:
-    return env.cache_dir() / "decisions" / (build.hardware_key(target).replace("/", "_") + ".json")
+    return (
+        env.cache_dir() / "decisions" / (targets.hardware_key(target).replace("/", "_") + ".json")
+    )
 
 
 def _digest(shape: ConvShape, target: Target, op: str, options: dict) -> str:
     text = "\n".join(
         [
-            build.workload_key(shape, target),
+            targets.workload_key(shape, target),
             op,
             __version__,
-            build.tvm.__version__,
-            build.source_digest(),
+            kernels.tvm.__version__,
+            kernels.source_digest(),
             *sorted(f"{name}={'' if r is None else r.identity}" for name, r in options.items()),
         ]
     )
@@ -87,16 +90,16 @@ def _write_decision(target: Target, digest: str, entry: dict) -> None:
         pass  # a decision that cannot be kept is timed again next time
 
 
-def option_name(record: logs.TunedRecord | None) -> str:
+def option_name(record: records.TunedRecord | None) -> str:
     return "default" if record is None else f"{record.hardware_key}/{record.space}"
 
 
-def _options(candidates: list[logs.TunedRecord]) -> dict[str, logs.TunedRecord | None]:
+def _options(candidates: list[records.TunedRecord]) -> dict[str, records.TunedRecord | None]:
     return {"default": None} | {option_name(r): r for r in candidates}
 
 
 def stored_decision(
-    shape: ConvShape, target: Target, op: str, candidates: list[logs.TunedRecord]
+    shape: ConvShape, target: Target, op: str, candidates: list[records.TunedRecord]
 ) -> dict | None:
     """The decision on disk among the default and ``candidates`` for ``shape``'s ``op``."""
     options = _options(candidates)
@@ -107,8 +110,8 @@ def stored_decision(
 
 
 def pick(
-    shape: ConvShape, target: Target, op: str, candidates: list[logs.TunedRecord]
-) -> logs.TunedRecord | None:
+    shape: ConvShape, target: Target, op: str, candidates: list[records.TunedRecord]
+) -> records.TunedRecord | None:
     """The fastest here of the default schedule (None) and ``candidates`` for ``shape``'s
     ``op``: from the decision on disk, else timed now and written there."""
     options = _options(candidates)
@@ -124,7 +127,7 @@ def pick(
                 "choice": choice,
                 "median_ms": {name: round(ms, 4) for name, ms in times.items()},
                 "op": op,
-                "shape": build.workload_key(shape, target),
+                "shape": targets.workload_key(shape, target),
                 "date": datetime.date.today().isoformat(),
             }
             _write_decision(target, digest, entry)
@@ -135,7 +138,7 @@ def measure(
     shape: ConvShape,
     target: Target,
     op: str,
-    options: dict[str, logs.TunedRecord | None],
+    options: dict[str, records.TunedRecord | None],
     budget: float = BUDGET_SECONDS,
 ) -> dict[str, float]:
     """Median milliseconds of each option's kernel(s) for ``shape``'s ``op`` on random inputs,
@@ -156,23 +159,27 @@ def measure(
 
 
 def _runner(
-    shape: ConvShape, target: Target, op: str, record: logs.TunedRecord | None
+    shape: ConvShape, target: Target, op: str, record: records.TunedRecord | None
 ) -> Callable[[], object]:
-    from . import ops  # the binding layer's calling path (argument layout, threads)
+    from tvm_deform.binding import (
+        ops,  # the binding layer's calling path (argument layout, threads)
+    )
 
     args = random_inputs(shape)
     x, offset, weight, bias, mask = (args[k] for k in ("input", "offset", "weight", "bias", "mask"))
     if op == "forward":
-        kernel = build.load_kernel(shape, target, record)
+        kernel = kernels.load_kernel(shape, target, record)
         return lambda: ops.run_forward(shape, x, offset, weight, bias, mask, kernel)
-    kernels = build.load_backward(shape, target, record)
+    backward_kernels = kernels.load_backward(shape, target, record)
     grad_output = torch.randn(
         shape.batch, shape.out_channels, shape.out_h, shape.out_w, dtype=x.dtype
     )
-    return lambda: ops.run_backward_cpu(shape, grad_output, x, offset, weight, mask, kernels)
+    return lambda: ops.run_backward_cpu(
+        shape, grad_output, x, offset, weight, mask, backward_kernels
+    )
 
 
-def _logs_key(shape: ConvShape, op: str, options: dict[str, logs.TunedRecord | None]) -> str:
+def _logs_key(shape: ConvShape, op: str, options: dict[str, records.TunedRecord | None]) -> str:
     """Names a decision in a log directory: the shape, the op and the records chosen among (not
     the target or versions: the logs are for one hardware key, and records that still match
     the definition are still the same schedules)."""
@@ -186,20 +193,22 @@ def _logs_key(shape: ConvShape, op: str, options: dict[str, logs.TunedRecord | N
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def own_options(own: list[logs.TunedRecord]) -> dict[str, logs.TunedRecord | None]:
+def own_options(own: list[records.TunedRecord]) -> dict[str, records.TunedRecord | None]:
     """The default schedule and the best record of each design space of one key's logs."""
-    return {"default": None} | {r.space: r for r in own if r.space != logs.DEFAULT_SPACE}
+    return {"default": None} | {r.space: r for r in own if r.space != records.DEFAULT_SPACE}
 
 
-def choose_own(shape: ConvShape, op: str, own: list[logs.TunedRecord]) -> logs.TunedRecord | None:
+def choose_own(
+    shape: ConvShape, op: str, own: list[records.TunedRecord]
+) -> records.TunedRecord | None:
     """The schedule this machine's own logs choose for ``shape``'s ``op``: the decision written
     at tuning time by timing through the op (:func:`decide_for_logs`) when the logs hold one,
-    else the fastest by the tuner's own measurements (:func:`logs.fastest`)."""
+    else the fastest by the tuner's own measurements (:func:`records.fastest`)."""
     decision = own_decision(shape, op, own)
-    return own_options(own)[decision["choice"]] if decision else logs.fastest(own)
+    return own_options(own)[decision["choice"]] if decision else records.fastest(own)
 
 
-def own_decision(shape: ConvShape, op: str, own: list[logs.TunedRecord]) -> dict | None:
+def own_decision(shape: ConvShape, op: str, own: list[records.TunedRecord]) -> dict | None:
     """The decision that this machine's own logs (``own``) hold for ``shape``'s ``op``, if it was
     made among the records they hold now."""
     options = own_options(own)
@@ -220,7 +229,7 @@ def decide_for_logs(
     shape: ConvShape,
     target: Target,
     op: str,
-    own: list[logs.TunedRecord],
+    own: list[records.TunedRecord],
 ) -> dict:
     """Time the default and each design space's best record of the logs at ``key_dir`` through
     the op (MetaSchedule's runner has its own inputs and process, and its choice between close
@@ -244,20 +253,20 @@ def describe(shape: ConvShape, target: Target, op: str = "forward") -> str:
     (for ``tvm-deform info``)."""
     if not env.tuned_enabled():
         return "default schedule (TVM_DEFORM_TUNED=0)"
-    key = build.hardware_key(target)
-    own = logs.own_records(shape, target, key, op)
+    key = targets.hardware_key(target)
+    own = records.own_records(shape, target, key, op)
     if own:
         decision = own_decision(shape, op, own)
         if decision:
             times = ", ".join(f"{n} {ms:.3f} ms" for n, ms in decision["median_ms"].items())
             what = "default schedule" if decision["choice"] == "default" else decision["choice"]
             return f"{what}: timed through the op when tuned here ({times})"
-        best = logs.fastest(own)
+        best = records.fastest(own)
         times = ", ".join(f"{r.space} {r.run_ms:.3f} ms" for r in own if r.run_ms)
         if best is None:
             return f"default schedule: faster than the records when tuned here ({times})"
         return f"tuned here: {best.hardware_key} / {best.space} ({times})"
-    candidates = logs.foreign_records(shape, target, key, op)
+    candidates = records.foreign_records(shape, target, key, op)
     if not candidates:
         return "default schedule (no record for this shape)"
     names = ", ".join(option_name(r) for r in candidates)

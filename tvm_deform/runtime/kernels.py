@@ -1,8 +1,9 @@
-"""Build and dispatch: targets, workload keys, compilation and the kernel caches.
+"""Kernels: compilation, the kernel caches and the per-thread settings of the CPU thread pool.
 
 A kernel is compiled the first time a shape is seen, exported as a shared library into the
 on-disk cache so the next process loads it instead of compiling, loaded from that file (so that
-its parallel loops can run on torch's threads, see :mod:`tvm_deform.launcher`) and kept in memory
+its parallel loops can run on torch's threads, see :mod:`tvm_deform.runtime.launcher`) and kept in
+memory
 for the process. The disk cache key covers the workload, the target, the TVM and package
 versions, the thread pool and a digest of the definition and schedule sources, so a change to
 any of them misses the cache instead of loading a stale kernel.
@@ -10,15 +11,12 @@ any of them misses the cache instead of loading a stale kernel.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import importlib
 import inspect
-import json
 import os
 import shutil
-import struct
 import tempfile
 import threading
 import warnings
@@ -30,13 +28,17 @@ from typing import NamedTuple
 # any module that imports TVM.
 import tvm
 from tvm import s_tir
-from tvm.target import Target, codegen
+from tvm.target import Target
 
-from . import __version__, definition, env, hardware, launcher, logs
-from .definition import ConvShape
-from .schedules.cpu import DefaultCPU
-from .schedules.cpu_backward import DefaultCPUBackward, DefaultCPUGradInput
-from .schedules.cuda import DefaultCUDA
+from tvm_deform import __version__, env, schedules
+from tvm_deform.ir import definition
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.runtime import launcher, records
+from tvm_deform.runtime.targets import (
+    hardware_key,
+    host_target,
+    workload_key,
+)
 
 Kernel = Callable[..., None]
 
@@ -52,81 +54,12 @@ class BackwardKernels(NamedTuple):
 
 
 @functools.cache
-def host_cpu() -> str:
-    """The LLVM name of this machine's CPU, e.g. ``znver4``."""
-    return str(codegen.llvm_get_system_cpu())
-
-
-@functools.cache
-def host_target() -> Target:
-    """The LLVM target of this machine.
-
-    ``mcpu`` is LLVM's name of the CPU; ``mattr`` turns AVX-512 off when the CPU's own flags
-    lack it although that CPU model has it (see :mod:`tvm_deform.hardware`); ``mtriple`` is the
-    host's (the TVM wheel's own default triple is its build machine's and makes LLVM reject
-    ``-mcpu=native``); ``num-cores`` is the number of cores this process may use, which
-    MetaSchedule needs.
-    """
-    cpu = hardware.detect()
-    attrs = {"kind": "llvm", "mcpu": host_cpu(), "mtriple": hardware.triple(cpu.machine)}
-    if cpu.machine == "x86_64" and cpu.isa != "avx512":
-        if codegen.target_has_features("avx512f", Target(attrs)):
-            attrs["mattr"] = ["-avx512f"]
-    return Target({**attrs, "num-cores": cpu.cores})
-
-
-def cpu_target(cpu: hardware.CPU) -> Target:
-    """An LLVM target for a CPU known only by its flags (another machine's, for
-    cross-compiling): its architecture's generic model at the CPU's vector ISA."""
-    mcpu, mattr = hardware.generic_llvm_cpu(cpu)
-    attrs = {"kind": "llvm", "mcpu": mcpu, "mtriple": hardware.triple(cpu.machine, "Linux")}
-    return Target({**attrs, **({"mattr": mattr} if mattr else {}), "num-cores": cpu.cores})
-
-
-#: what every CUDA target of ours declares besides its ``arch``: the limits that hold on every
-#: NVIDIA GPU since Volta (MetaSchedule and the schedule's tile choice read them)
-CUDA_LIMITS = {
-    "max_threads_per_block": 1024,
-    "max_shared_memory_per_block": 49152,
-    "thread_warp_size": 32,
-}
-
-
-def cuda_target(arch: str) -> Target:
-    """The CUDA target of an NVIDIA GPU architecture such as ``sm_90``, with this machine's
-    LLVM target as its host."""
-    if not (arch.startswith("sm_") and arch[3:].rstrip("a").isdigit()):
-        raise ValueError(f"a CUDA architecture looks like 'sm_90', got {arch!r}")
-    return Target({"kind": "cuda", "arch": arch, **CUDA_LIMITS, "host": host_target()})
-
-
-def hardware_key(target: Target) -> str:
-    """Directory name of ``target``'s tuning logs, e.g. ``llvm/znver4`` or ``cuda/sm_90``."""
-    attrs = target.attrs
-    kind = target.kind.name
-    if kind == "llvm":
-        masked = "-avx512f" in [str(a) for a in attrs.get("mattr", [])]
-        return f"llvm/{attrs.get('mcpu', 'generic')}" + ("-noavx512" if masked else "")
-    if kind == "cuda":
-        return f"cuda/{attrs.get('arch', 'unknown')}"
-    return kind
-
-
-def workload_key(shape: ConvShape, target: Target) -> str:
-    """A stable text naming one compiled kernel: every shape parameter, the dtype and target."""
-    fields = dataclasses.asdict(shape)
-    fields["target"] = json.loads(json.dumps(dict(target.attrs), default=str)) | {
-        "kind": target.kind.name
-    }
-    return json.dumps(fields, sort_keys=True)
-
-
-@functools.cache
 def source_digest() -> str:
     """Digest of the sources that decide what a kernel computes and how it is scheduled."""
     digest = hashlib.sha256()
-    for source in (definition, DefaultCPU, DefaultCPUBackward, DefaultCUDA):
-        digest.update(Path(inspect.getfile(source)).read_bytes())
+    for package in (definition, schedules):
+        for source in sorted(Path(inspect.getfile(package)).parent.glob("*.py")):
+            digest.update(source.read_bytes())
     return digest.hexdigest()[:16]
 
 
@@ -157,38 +90,29 @@ def cache_path(
 
 def resolve(
     shape: ConvShape, target: Target, tuned: bool | None = None, op: str = "forward"
-) -> logs.TunedRecord | None:
+) -> records.TunedRecord | None:
     """The tuned record ``shape``'s ``op`` runs with on ``target``, or None for the default
     schedule. ``tuned=None`` follows ``TVM_DEFORM_TUNED``; False always means the default.
 
     The logs of ``target``'s own hardware key decide: by the choice timed through the op at
     tuning time when they hold one, else by the tuner's measurements. Without them,
     the records of compatible machines are timed here against the default schedule (once per
-    shape; the decision is kept on disk, see :mod:`tvm_deform.dispatch`), unless
+    shape; the decision is kept on disk, see :mod:`tvm_deform.runtime.dispatch`), unless
     ``TVM_DEFORM_MEASURE=0``, which then runs the default."""
     if not (env.tuned_enabled() if tuned is None else tuned):
         return None
     key = hardware_key(target)
-    from . import dispatch  # times kernels through the op, which imports this module
+    from tvm_deform.runtime import (
+        dispatch,  # times kernels through the op, which imports this module
+    )
 
-    own = logs.own_records(shape, target, key, op)
+    own = records.own_records(shape, target, key, op)
     if own:
         return dispatch.choose_own(shape, op, own)
-    candidates = logs.foreign_records(shape, target, key, op)
+    candidates = records.foreign_records(shape, target, key, op)
     if not candidates or not env.measure_enabled():
         return None
     return dispatch.pick(shape, target, op, candidates)
-
-
-def target_isa(target: Target) -> str:
-    """The vector ISA an LLVM ``target`` compiles for (avx512, avx2, avx, sse, sve, neon)."""
-    triple = str(target.attrs.get("mtriple", "x86_64"))
-    if triple.startswith(("aarch64", "arm64")):
-        return "sve" if codegen.target_has_features("sve", target) else "neon"
-    for feature, isa in (("avx512f", "avx512"), ("avx2", "avx2"), ("avx", "avx")):
-        if codegen.target_has_features(feature, target):
-            return isa
-    return "sse"
 
 
 def default_schedule(
@@ -204,22 +128,18 @@ def default_schedule(
     if op == "forward":
         if layout != "NCHW" and target.kind.name == "cuda":
             raise NotImplementedError(f"no CUDA schedule for {layout} input")
-        rule = DefaultCUDA() if target.kind.name == "cuda" else DefaultCPU()
         func = definition.forward(shape, layout)
-    elif op == "backward" and target.kind.name != "cuda":
-        rule, func = DefaultCPUBackward(), definition.backward(shape, gradients)
+    elif op == "backward":
+        func = definition.backward(shape, gradients)
     else:
-        raise NotImplementedError(f"no default {op} schedule for {target.kind.name}")
-    sch = rule.apply(func, target)
-    if sch is None:
-        raise RuntimeError(f"no {op} schedule applies to {shape}")
-    return sch
+        raise NotImplementedError(f"no {op} kernel")
+    return schedules.apply_default(op, func, target)
 
 
 def compile_kernel(
     shape: ConvShape,
     target: Target,
-    record: logs.TunedRecord | None = None,
+    record: records.TunedRecord | None = None,
     layout: str = "NCHW",
 ) -> tvm.runtime.Module:
     """Compile the forward kernel of ``shape`` for ``target`` and an input in ``layout``: with
@@ -228,7 +148,7 @@ def compile_kernel(
     if record is not None:
         if layout != "NCHW":
             raise ValueError("tuned records are of kernels that take an NCHW input")
-        sch = logs.tuned_schedule(shape, record)
+        sch = records.tuned_schedule(shape, record)
     else:
         sch = default_schedule(shape, target, layout=layout)
     if target.kind.name == "cuda":
@@ -238,65 +158,10 @@ def compile_kernel(
         return tvm.compile(sch.mod, target=target)
 
 
-def cuda_source(shape: ConvShape, arch: str, record: logs.TunedRecord | None = None) -> str:
-    """The CUDA C source of ``shape``'s forward kernels for ``arch`` (default schedule, or
-    ``record``'s), as TVM generates it; needs no GPU."""
-    # Built without the CUDA runtime, the device module keeps its source (format "cuda").
-    built = compile_kernel(shape, cuda_target(arch), record)
-    sources = [m.inspect_source("cuda") for m in built.mod.imports if m.kind == "cuda"]
-    if not any(sources):
-        raise RuntimeError(f"TVM produced no CUDA source for {shape} on {arch}")
-    return "\n".join(sources)
-
-
-@dataclasses.dataclass(frozen=True)
-class CudaBuild:
-    """Machine code built by nvcc from a generated CUDA source, and what ptxas reported."""
-
-    arch: str
-    cubin: bytes
-    #: kernel name -> ptxas's resource line ("Used 40 registers, used 1 barriers, ...")
-    kernels: dict[str, str]
-
-    @property
-    def machine_arch(self) -> int:
-        """The SM version the cubin's machine code is for, from its ELF header (90 for sm_90)."""
-        if self.cubin[:4] != b"\x7fELF":
-            raise ValueError("not an ELF cubin")
-        (flags,) = struct.unpack_from("<I", self.cubin, 48)
-        return (flags >> 8) & 0xFF
-
-
-def nvcc_build(source: str, arch: str, nvcc: str = "nvcc") -> CudaBuild:
-    """Compile ``source`` for ``arch`` with the installed nvcc into a cubin (``-O3``), keeping
-    ptxas's per-kernel report. Raises RuntimeError with nvcc's messages when it fails."""
-    import re
-    import subprocess
-
-    with tempfile.TemporaryDirectory() as directory:
-        cu, cubin = Path(directory) / "kernels.cu", Path(directory) / "kernels.cubin"
-        cu.write_text(source)
-        result = subprocess.run(
-            [nvcc, "--cubin", f"-arch={arch}", "-O3", "-Xptxas=-v", "-o", str(cubin), str(cu)],
-            capture_output=True,
-            text=True,
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"nvcc failed for {arch}:\n{result.stderr}")
-        kernels, current = {}, None
-        for line in result.stderr.splitlines():
-            entry = re.search(r"Compiling entry function '(\w+)' for '(\w+)'", line)
-            if entry:
-                current = entry.group(1)
-            elif current and "Used" in line:
-                kernels[current] = line.split(":", 1)[1].strip()
-        return CudaBuild(arch, cubin.read_bytes(), kernels)
-
-
 def compile_backward(
     shape: ConvShape,
     target: Target,
-    record: logs.TunedRecord | None = None,
+    record: records.TunedRecord | None = None,
     gradients: definition.Gradients = definition.ALL_GRADIENTS,
 ) -> tvm.runtime.Module:
     """Compile the backward kernels of ``shape`` for ``target`` that compute ``gradients``
@@ -306,7 +171,7 @@ def compile_backward(
     if record is not None:
         if gradients != definition.ALL_GRADIENTS:
             raise ValueError("tuned records are of the backward that computes every gradient")
-        sch = logs.tuned_schedule(shape, record, "backward")
+        sch = records.tuned_schedule(shape, record, "backward")
     else:
         sch = default_schedule(shape, target, "backward", gradients)
     functions = {
@@ -315,9 +180,7 @@ def compile_backward(
         )
     }
     if gradients.input:
-        scatter = DefaultCPUGradInput().apply(definition.grad_input(shape), target)
-        if scatter is None:
-            raise RuntimeError(f"no backward schedule applies to {shape}")
+        scatter = schedules.apply_default("grad_input", definition.grad_input(shape), target)
         functions["deform_conv2d_grad_input"] = scatter.mod["main"]
     return tvm.compile(tvm.IRModule(functions), target=target)
 
@@ -350,8 +213,12 @@ def _store_cached(module: tvm.runtime.Module, path: Path) -> None:
 
 
 _memory: dict[tuple, Kernel | BackwardKernels] = {}
+
+
 #: guards ``_memory`` and ``_loading``; held only for dictionary updates, never while compiling
 _lock = threading.Lock()
+
+
 #: one lock per kernel being loaded: threads that need the same new kernel wait for one compile,
 #: threads that need other kernels do not wait at all
 _loading: dict[tuple, threading.Lock] = {}
@@ -375,23 +242,13 @@ def get_kernel(
             return load_kernel(shape, target, None, layout)
         return load_kernel(shape, target, resolve(shape, target, tuned))
 
-    # The log and pool settings are part of the key, so changing them mid-process takes effect.
-    key = (
-        "forward",
-        shape,
-        layout,
-        str(target),
-        tuned,
-        env.user_logs_dir(),
-        env.launcher_enabled(),
-    )
-    return _memoised(key, load)
+    return _memoised(("forward", shape, layout, str(target), tuned), load)
 
 
 def load_kernel(
     shape: ConvShape,
     target: Target,
-    record: logs.TunedRecord | None = None,
+    record: records.TunedRecord | None = None,
     layout: str = "NCHW",
 ) -> Kernel:
     """The forward kernel of ``shape`` for an input in ``layout``, with ``record``'s schedule
@@ -424,22 +281,13 @@ def get_backward(
             return load_backward(shape, target, None, gradients)
         return load_backward(shape, target, resolve(shape, target, tuned, "backward"))
 
-    key = (
-        "backward",
-        shape,
-        gradients,
-        str(target),
-        tuned,
-        env.user_logs_dir(),
-        env.launcher_enabled(),
-    )
-    return _memoised(key, load)
+    return _memoised(("backward", shape, gradients, str(target), tuned), load)
 
 
 def load_backward(
     shape: ConvShape,
     target: Target,
-    record: logs.TunedRecord | None = None,
+    record: records.TunedRecord | None = None,
     gradients: definition.Gradients = definition.ALL_GRADIENTS,
 ) -> BackwardKernels:
     """The backward kernels of ``shape`` computing ``gradients``, with ``record``'s schedule for
@@ -508,6 +356,9 @@ def _load_private(built: tvm.runtime.Module, name: str) -> tuple[tvm.runtime.Mod
 
 
 def _memoised(key: tuple, load: Callable):
+    """``load()``, once per ``key`` and per log and pool settings (part of the key, so that
+    changing them mid-process takes effect)."""
+    key = (*key, env.user_logs_dir(), env.launcher_enabled())
     found = _memory.get(key)
     if found is not None:
         return found

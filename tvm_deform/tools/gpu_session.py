@@ -3,7 +3,7 @@
 Run on a machine with an NVIDIA GPU, offline, by ``tools/gpu_session.sh`` (which installs TVM
 from wheels brought along), or directly where TVM is installed::
 
-    python -m tvm_deform.gpu_session --out OUT [--trials 32] [--tune-seconds 300]
+    python -m tvm_deform.tools.gpu_session --out OUT [--trials 32] [--tune-seconds 300]
 
 Steps, each recorded in ``OUT/gpu_results.json`` whether it passes or fails, so that one call
 yields everything it can:
@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import random
-import statistics
 import sys
 import tarfile
 import time
@@ -42,45 +40,15 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, build, deform_conv2d
-from .bench import relative_error
-from .definition import ConvShape
-from .inputs import conv_kwargs, random_inputs
-from .suite import load_suite
+from tvm_deform import __version__, deform_conv2d
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.runtime import kernels, targets
+from tvm_deform.tools.bench import geometric_mean, measure, relative_error
+from tvm_deform.tools.inputs import TOLERANCE, conv_kwargs, random_inputs, random_shape
+from tvm_deform.tools.suite import load_suite
 
 #: norm-relative error allowed against torchvision, per dtype (float32 against float32,
 #: half precision against float32 on the upcast inputs)
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
-
-
-def random_shape(rng: random.Random) -> ConvShape:
-    """A small random configuration exercising every parameter of the op."""
-    groups = rng.choice([1, 1, 2, 4])
-    offset_groups = rng.choice([1, 1, 2])
-    kh, kw = rng.randint(1, 4), rng.randint(1, 4)
-    stride = (rng.randint(1, 3), rng.randint(1, 3))
-    pad = (rng.randint(0, 2), rng.randint(0, 2))
-    dilation = (rng.randint(1, 3), rng.randint(1, 3))
-    c = groups * offset_groups * rng.randint(1, 8)
-    o = groups * rng.randint(1, 8)
-    h = max(dilation[0] * (kh - 1) + 1 - 2 * pad[0], 1) + rng.randint(0, 40)
-    w = max(dilation[1] * (kw - 1) + 1 - 2 * pad[1], 1) + rng.randint(0, 40)
-    return ConvShape(
-        rng.randint(1, 4),
-        c,
-        h,
-        w,
-        o,
-        kh,
-        kw,
-        *stride,
-        *pad,
-        *dilation,
-        weight_groups=groups,
-        offset_groups=offset_groups,
-        has_mask=rng.random() < 0.8,
-        has_bias=rng.random() < 0.5,
-    )
 
 
 def _inputs(shape: ConvShape, device: str, dtype: torch.dtype, seed: int = 0) -> dict:
@@ -100,7 +68,9 @@ def check_correctness(device: str, count: int = 24, seed: int = 0) -> list[dict]
     dtypes = [torch.float32] + ([torch.float16, torch.bfloat16] if device == "cuda" else [])
     results = []
     for index in range(count):
-        shape = random_shape(rng)
+        shape = random_shape(
+            rng, (1, 1, 2, 4), channels_per_group=8, extra_size=40, batch=4, mask_probability=0.8
+        )
         for dtype in dtypes:
             args = _inputs(shape, device, dtype, seed=index)
             ours = deform_conv2d(**args)
@@ -112,7 +82,7 @@ def check_correctness(device: str, count: int = 24, seed: int = 0) -> list[dict]
                     "shape": dataclasses.asdict(shape),
                     "dtype": str(dtype).removeprefix("torch."),
                     "error": error,
-                    "passed": error <= TOLERANCE[dtype],
+                    "passed": error <= TOLERANCE[str(dtype).removeprefix("torch.")],
                 }
             )
     return results
@@ -136,26 +106,6 @@ def check_stream_capture(shape: ConvShape) -> bool:
     return bool(torch.equal(captured, expected))
 
 
-def median_ms(fn: Callable[[], object], device: str, warmup: int = 3, runs: int = 20) -> float:
-    """Median time of ``fn`` in milliseconds: CUDA events on a GPU, the wall clock on a CPU."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(times)
-
-
 def time_layers(
     layers: dict[str, ConvShape],
     device: str,
@@ -166,7 +116,7 @@ def time_layers(
     the logs have it) and dense conv2d, timed side by side on the same inputs."""
     import torchvision.ops
 
-    target = build.cuda_target(_arch()) if device == "cuda" else build.host_target()
+    target = targets.cuda_target(_arch()) if device == "cuda" else targets.host_target()
     rows = []
     for name, shape in layers.items():
         for dtype in dtypes:
@@ -178,7 +128,7 @@ def time_layers(
                 "torchvision": lambda args=args: torchvision.ops.deform_conv2d(**args),
                 "tvm_deform default": _our_kernel(typed, target, tuned=False, args=args),
             }
-            if build.resolve(typed, target) is not None:
+            if kernels.resolve(typed, target) is not None:
                 variants["tvm_deform tuned"] = _our_kernel(typed, target, tuned=True, args=args)
             variants["conv2d (dense)"] = lambda args=args, kwargs=kwargs, shape=shape: (
                 torch.nn.functional.conv2d(
@@ -198,7 +148,9 @@ def time_layers(
                             "layer": name,
                             "dtype": dtype_name,
                             "implementation": label,
-                            "median_ms": median_ms(fn, device, runs=runs),
+                            "median_ms": measure(
+                                fn, warmup=3, min_runs=runs, min_seconds=0, cuda=device == "cuda"
+                            ).median_ms,
                             "error": error,
                         }
                     )
@@ -206,9 +158,9 @@ def time_layers(
 
 
 def _our_kernel(shape: ConvShape, target, tuned: bool, args: dict) -> Callable[[], torch.Tensor]:
-    from .ops import run_forward
+    from tvm_deform.binding.ops import run_forward
 
-    kernel = build.get_kernel(shape, target, tuned=tuned)
+    kernel = kernels.get_kernel(shape, target, tuned=tuned)
     return lambda: run_forward(
         shape, args["input"], args["offset"], args["weight"], args["bias"], args["mask"], kernel
     )
@@ -244,24 +196,27 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def geometric_mean_speedup(rows: list[dict], dtype: str = "float32") -> float:
+def speedup_over_torchvision(rows: list[dict], dtype: str = "float32") -> float:
+    """Geometric mean over layers of torchvision's time over our best kernel's, in ``dtype``."""
     grouped: dict[str, dict[str, float]] = {}
     for row in rows:
         if row["dtype"] == dtype:
             grouped.setdefault(row["layer"], {})[row["implementation"]] = row["median_ms"]
-    ratios = [
-        t["torchvision"] / min(v for k, v in t.items() if k.startswith("tvm_deform"))
-        for t in grouped.values()
-    ]
-    return math.prod(ratios) ** (1 / len(ratios)) if ratios else float("nan")
+    return geometric_mean(
+        [
+            t["torchvision"] / min(v for k, v in t.items() if k.startswith("tvm_deform"))
+            for t in grouped.values()
+            if "torchvision" in t
+        ]
+    )
 
 
 def tune_suite(layers: dict[str, ConvShape], trials: int, seconds: float, work: Path) -> dict:
     """Tune ``layers`` for this GPU in the generic space until ``seconds`` have passed;
     returns the per-task results and writes the pruned logs under ``work / "logs"``."""
-    from .tuning import tune
+    from tvm_deform.tools.tuning import tune
 
-    target = build.cuda_target(_arch())
+    target = targets.cuda_target(_arch())
     started, done = time.monotonic(), {}
     for name, shape in layers.items():
         if time.monotonic() - started > seconds:
@@ -280,7 +235,9 @@ def tune_suite(layers: dict[str, ConvShape], trials: int, seconds: float, work: 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tvm_deform.gpu_session", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m tvm_deform.tools.gpu_session", description=__doc__
+    )
     parser.add_argument("--out", required=True, help="directory for the results and logs")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--trials", type=int, default=32, help="tuning trials per workload")
@@ -327,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = step("time", lambda: time_layers(suite, args.device, dtypes))
     if rows:
         table = markdown(rows)
-        speedup = geometric_mean_speedup(rows)
+        speedup = speedup_over_torchvision(rows)
         (out / "gpu_results.md").write_text(
             f"{table}\n\nfloat32 geometric-mean speed-up over torchvision: {speedup:.2f}x\n"
         )
@@ -346,11 +303,11 @@ def _environment(cuda: bool) -> dict:
 
 
 def _build_all(layers: dict[str, ConvShape], cuda: bool) -> dict:
-    target = build.cuda_target(_arch()) if cuda else build.host_target()
+    target = targets.cuda_target(_arch()) if cuda else targets.host_target()
     seconds = {}
     for name, shape in layers.items():
         began = time.monotonic()
-        build.get_kernel(shape, target, tuned=False)
+        kernels.get_kernel(shape, target, tuned=False)
         seconds[name] = round(time.monotonic() - began, 2)
     return seconds
 

@@ -13,13 +13,15 @@ from pathlib import Path
 import torch
 from tvm.target import Target
 
-from . import __version__, build, env
-from .definition import ConvShape
-from .logs import OPS
-from .ops import deform_conv2d
-from .peers import available_peers
-from .suite import QUICK, load_suite
-from .tuning import SPACES
+from tvm_deform import __version__, env
+from tvm_deform.binding.ops import deform_conv2d
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.runtime import targets
+from tvm_deform.runtime.records import OPS
+from tvm_deform.tools import cuda_build
+from tvm_deform.tools.peers import available_peers
+from tvm_deform.tools.suite import QUICK, load_suite
+from tvm_deform.tools.tuning import SPACES
 
 
 def _torchvision():
@@ -65,8 +67,9 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def print_summary(layers: dict[str, ConvShape], peers: Sequence[str]) -> None:
-    """Measure ``layers`` (see :func:`tvm_deform.compare.run`) and print the per-layer summary."""
-    from . import compare
+    """Measure ``layers`` (see :func:`tvm_deform.tools.compare.run`) and print the per-layer
+    summary."""
+    from tvm_deform.tools import compare
 
     records, _ = compare.run(layers, peers)
     print(compare.summary_table(records))
@@ -74,45 +77,47 @@ def print_summary(layers: dict[str, ConvShape], peers: Sequence[str]) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     _torchvision()
-    suite = load_suite(args.suite)
-    names = [name for name in QUICK if name in suite] if args.quick else list(suite)
+    workloads = _chosen_workloads(args)
     print(
         f"tvm_deform {__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"CPU {build.host_cpu()}; median of >= 10 runs; random offsets N(0, 2^2), mask U[0, 1)"
+        f"CPU {targets.host_cpu()}; median of >= 10 runs; random offsets N(0, 2^2), mask U[0, 1)"
     )
     peers = [] if args.no_peers else available_peers()
-    print_summary({name: suite[name] for name in names}, peers)
+    print_summary(workloads, peers)
     return 0
 
 
 def run_bench_backward(args: argparse.Namespace) -> int:
-    from .bench import compare_training_step, geometric_mean_speedup, training_table
+    from tvm_deform.tools.bench import (
+        compare_training_step,
+        geometric_mean_speedup,
+        training_table,
+    )
 
     _torchvision()
-    suite = load_suite(args.suite)
-    names = args.workload or ([n for n in QUICK if n in suite] if args.quick else list(suite))
+    workloads = _chosen_workloads(args)
     print(
         f"tvm_deform {__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"CPU {build.host_cpu()}; forward + backward (gradients of input, offset, weight, bias "
+        f"CPU {targets.host_cpu()}; forward + backward (gradients of input, offset, weight, bias "
         "and mask); median of >= 10 runs (3 for torchvision); random offsets N(0, 2^2)"
     )
     rows = []
-    for name in names:
+    for name, shape in workloads.items():
         print(f"  {name} ...", flush=True)
-        rows += compare_training_step(name, suite[name])
+        rows += compare_training_step(name, shape)
     print(training_table(rows))
     print(f"geometric mean speed-up over torchvision: {geometric_mean_speedup(rows):.1f}x")
     return 0
 
 
 def run_bench_model(args: argparse.Namespace) -> int:
-    from . import bench_model
+    from tvm_deform.tools import bench_model
 
     _torchvision()
     peers = () if args.no_peers else tuple(available_peers())
     print(
         f"R50-DCNv2 (DCN in c3-c5), input {args.batch}x3x{args.size}x{args.size}, inference, "
-        f"{torch.get_num_threads()} threads, CPU {build.host_cpu()}; median of >= {args.runs} "
+        f"{torch.get_num_threads()} threads, CPU {targets.host_cpu()}; median of >= {args.runs} "
         "runs; every row checked against torch + torchvision"
     )
     rows = bench_model.run(
@@ -136,7 +141,7 @@ def run_bench_model(args: argparse.Namespace) -> int:
 
 
 def run_diagnose(args: argparse.Namespace) -> int:
-    from .precision import diagnose
+    from tvm_deform.compat.precision import diagnose
 
     data, offset, weight, mask = seed_case()
     print("Seed case, float32 against the same layer computed with float16 data (10-bit mantissa)")
@@ -159,14 +164,10 @@ def run_diagnose(args: argparse.Namespace) -> int:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from . import compare
+    from tvm_deform.tools import compare
 
     _torchvision()
-    if args.quick and not (args.workload or args.shape):
-        suite = load_suite(args.suite)
-        workloads = {name: suite[name] for name in QUICK if name in suite}
-    else:
-        workloads = _chosen_workloads(args)
+    workloads = _chosen_workloads(args)
     peers = [] if args.no_peers else available_peers()
     records, complete = compare.run(workloads, peers, args.other_logs)
     out = Path(args.out)
@@ -196,17 +197,17 @@ def run_compare(args: argparse.Namespace) -> int:
 def run_info(args: argparse.Namespace) -> int:
     import tvm
 
-    from . import dispatch, hardware, launcher, logs
+    from tvm_deform.runtime import dispatch, hardware, launcher, records
 
     cpu = hardware.detect()
-    target = build.host_target()
-    key = build.hardware_key(target)
+    target = targets.host_target()
+    key = targets.hardware_key(target)
     print(f"tvm_deform {__version__}  (TVM {tvm.__version__}, torch {torch.__version__})")
     print(f"CPU:           {cpu.model} ({cpu.machine}), {cpu.cores} cores for this process")
     print(f"vector ISA:    {cpu.isa}, {cpu.vector_bits}-bit vectors ({cpu.reason})")
     caches = ", ".join(f"{name} {size // 1024} KiB" for name, size in cpu.caches.items())
     print(f"caches:        {caches or 'unknown'}")
-    print(f"LLVM CPU:      {build.host_cpu()}")
+    print(f"LLVM CPU:      {targets.host_cpu()}")
     print(f"host target:   {target}")
     print(f"hardware key:  {key}")
     if launcher.enabled():
@@ -222,8 +223,8 @@ def run_info(args: argparse.Namespace) -> int:
     tuned = "on" if env.tuned_enabled() else "off (TVM_DEFORM_TUNED=0)"
     print(f"tuning logs:   {tuned}")
     own = False
-    for root in logs.log_roots():
-        keys = [k for k in logs.candidate_keys(root, target, key) if (root / k).is_dir()]
+    for root in records.log_roots():
+        keys = [k for k in records.candidate_keys(root, target, key) if (root / k).is_dir()]
         own = own or key in keys
         print(f"  {root}: {', '.join(keys) if keys else 'nothing for this machine'}")
     if not own:
@@ -236,22 +237,22 @@ def run_info(args: argparse.Namespace) -> int:
     print()
     print("what deform_conv2d runs for each suite workload here:")
     for name, shape in load_suite(args.suite).items():
-        for op in logs.OPS:
+        for op in records.OPS:
             print(f"  {name:<28} {op:<9} {dispatch.describe(shape, target, op)}")
     return 0
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from .tuning import tune
+    from tvm_deform.tools.tuning import tune
 
     workloads = _chosen_workloads(args)
     spaces = SPACES if args.space == "all" else (args.space,)
     ops = OPS if args.op == "all" else (args.op,)
-    target = Target(json.loads(args.target)) if args.target else build.host_target()
+    target = Target(json.loads(args.target)) if args.target else targets.host_target()
     logs_dir = None if args.no_write_logs else (args.logs_dir or _repository_logs())
     print(
         f"tuning {len(workloads)} workload(s) x {len(ops)} op(s) x {len(spaces)} space(s), "
-        f"{args.trials} trials each, for {build.hardware_key(target)}; work directory "
+        f"{args.trials} trials each, for {targets.hardware_key(target)}; work directory "
         f"{args.work_dir}"
     )
     tune(
@@ -265,17 +266,19 @@ def run_tune(args: argparse.Namespace) -> int:
         transfer=not args.no_transfer,
     )
     if logs_dir is not None:
-        print(f"pruned logs written to {Path(logs_dir) / build.hardware_key(target)}")
+        print(f"pruned logs written to {Path(logs_dir) / targets.hardware_key(target)}")
     return 0
 
 
 def run_tune_report(args: argparse.Namespace) -> int:
-    from .tuning import convergence_table
+    from tvm_deform.tools.tuning import convergence_table
 
     workloads = _chosen_workloads(args)
-    target = build.host_target()
+    target = targets.host_target()
+
     print(
-        f"best time (ms, MetaSchedule's runner) against trials spent, {build.hardware_key(target)}"
+        "best time (ms, MetaSchedule's runner) against trials spent, "
+        f"{targets.hardware_key(target)}"
         f", {args.space} space, {args.op}; work directory {args.work_dir}"
     )
     print(convergence_table(args.work_dir, workloads, target, args.space, args.op))
@@ -293,13 +296,13 @@ def run_build(args: argparse.Namespace) -> int:
         print("nvcc not found: writing the CUDA sources only")
     for name, shape in workloads.items():
         for arch in args.arch:
-            source = build.cuda_source(shape, arch)
+            source = cuda_build.cuda_source(shape, arch)
             path = out / f"{name}-{arch}.cu"
             path.write_text(source)
             print(f"{path}: {len(source.splitlines())} lines")
             if nvcc is None:
                 continue
-            built = build.nvcc_build(source, arch, nvcc)
+            built = cuda_build.nvcc_build(source, arch, nvcc)
             (out / f"{name}-{arch}.cubin").write_bytes(built.cubin)
             for kernel, resources in built.kernels.items():
                 print(f"  {kernel:<28} {resources}")
@@ -307,20 +310,25 @@ def run_build(args: argparse.Namespace) -> int:
 
 
 def _chosen_workloads(args: argparse.Namespace) -> dict[str, ConvShape]:
-    """The suite (``--suite``), narrowed by ``--workload`` names, or the one ``--shape``."""
+    """The suite (``--suite``), narrowed by ``--workload`` names, or the one ``--shape``, or
+    (``--quick``, when neither is given) its ``QUICK`` layers; a command without one of these
+    options takes it as not given."""
     workloads = load_suite(args.suite)
-    if args.shape:
-        return {"shape": ConvShape(**json.loads(args.shape))}
-    if args.workload:
-        unknown = sorted(set(args.workload) - set(workloads))
+    shape, names = getattr(args, "shape", None), getattr(args, "workload", None)
+    if shape:
+        return {"shape": ConvShape(**json.loads(shape))}
+    if names:
+        unknown = sorted(set(names) - set(workloads))
         if unknown:
             raise SystemExit(f"unknown workload(s) {unknown}; the suite has {sorted(workloads)}")
-        return {name: workloads[name] for name in args.workload}
+        return {name: workloads[name] for name in names}
+    if getattr(args, "quick", False):
+        return {name: workloads[name] for name in QUICK if name in workloads}
     return workloads
 
 
 def _repository_logs() -> str:
-    from .logs import shipped_logs_dir
+    from tvm_deform.runtime.records import shipped_logs_dir
 
     return str(shipped_logs_dir())
 

@@ -34,9 +34,10 @@ import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 from tvm.target import Target
 
-from . import __version__, build
-from .definition import ConvShape
-from .logs import (
+from tvm_deform import __version__
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.runtime import kernels, targets
+from tvm_deform.runtime.records import (
     DEFAULT_SPACE,
     OPS,
     best_in,
@@ -47,8 +48,9 @@ from .logs import (
     record_ms,
     workload_module,
 )
-from .schedules.cpu import HandwrittenSpace, vector_bytes
-from .schedules.cpu_backward import BackwardSpace
+from tvm_deform.schedules.common import vector_bytes
+from tvm_deform.schedules.cpu import HandwrittenSpace
+from tvm_deform.schedules.cpu_backward import BackwardSpace
 
 #: design spaces: name -> how MetaSchedule generates it
 SPACES = ("handwritten", "generic")
@@ -77,7 +79,7 @@ def _space_generator(space: str, op: str = "forward", target: Target | None = No
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
     if space == "handwritten" and op == "backward":
-        return ms.space_generator.ScheduleFn(BackwardSpace(target or build.host_target()))
+        return ms.space_generator.ScheduleFn(BackwardSpace(target or targets.host_target()))
     if space == "handwritten":
         return ms.space_generator.ScheduleFn(HandwrittenSpace())
     if space == "generic":
@@ -149,7 +151,7 @@ def _measure_task(items: list[tuple[ConvShape, str, str, str | None]], target_js
     schedules = []
     for shape, op, _, source in items:
         if source is None:
-            schedules.append(build.default_schedule(shape, target, op))
+            schedules.append(kernels.default_schedule(shape, target, op))
             continue
         mod = workload_module(shape, op)
         sch = tvm.s_tir.Schedule(mod)
@@ -231,8 +233,8 @@ def convergence_table(
     """Per workload, the best time found after 1, 2, 4, ... trials (the first being a transfer
     tune's seed, when it had one), and after how many trials the best came within 2% of the
     final one: where more tuning stopped paying."""
-    directory = Path(work_dir) / build.hardware_key(target) / space
-    default_dir = Path(work_dir) / build.hardware_key(target) / DEFAULT_SPACE
+    directory = Path(work_dir) / targets.hardware_key(target) / space
+    default_dir = Path(work_dir) / targets.hardware_key(target) / DEFAULT_SPACE
     histories = {name: trial_history(directory, shape, op) for name, shape in workloads.items()}
     longest = max((len(h) for h in histories.values()), default=0)
     marks = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= longest]
@@ -283,8 +285,8 @@ def tune(
     record of that space in the logs of each compatible hardware key (another machine's), into
     that space's database. The search then starts from them, and its result is never slower
     than what the other machines found, as measured here."""
-    target = target or build.host_target()
-    key = build.hardware_key(target)
+    target = target or targets.host_target()
+    key = targets.hardware_key(target)
     results = []
     context = multiprocessing.get_context("spawn")
     ops = list(ops)
@@ -352,7 +354,7 @@ def tune(
     if logs_dir is not None:
         kept = [*spaces, DEFAULT_SPACE] if measure_default else spaces
         write_pruned_logs(work_dir, logs_dir, workloads, kept, target, ops)
-        if build.hardware_key(target) == build.hardware_key(build.host_target()):
+        if targets.hardware_key(target) == targets.hardware_key(targets.host_target()):
             _decide_through_the_op(workloads, tasks, target, Path(logs_dir), progress)
     return results
 
@@ -366,9 +368,9 @@ def _decide_through_the_op(
 ) -> None:
     """For each kernel, time the default and the best record of each space of the pruned logs
     through the op, and write the winner beside them (see ``dispatch.decide_for_logs``)."""
-    from . import dispatch
+    from tvm_deform.runtime import dispatch
 
-    key = build.hardware_key(target)
+    key = targets.hardware_key(target)
     for name, op in tasks:
         shape = workloads[name]
         own = [
@@ -394,7 +396,7 @@ def _first_measurements(
 ) -> list[tuple[str, ConvShape, str, str, str | None]]:
     """The ``(name, *item)`` of each item of :func:`_measure_task` a tuning run starts with
     (see :func:`tune`)."""
-    key = build.hardware_key(target)
+    key = targets.hardware_key(target)
     batch = []
     for name, op in tasks:
         shape = workloads[name]
@@ -467,7 +469,7 @@ def write_pruned_logs(
     ``work_dir`` into ``logs_dir/<hardware key>/<space>/`` and write the manifest. Records of
     other workloads or ops that are already in ``logs_dir`` are kept."""
     ops = list(ops)
-    key = build.hardware_key(target)
+    key = targets.hardware_key(target)
     out_root = Path(logs_dir) / key
     manifest_path = out_root / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
@@ -527,7 +529,7 @@ def write_pruned_logs(
             "target": str(target),
             "cpu": _cpu_model(),
             "vector_bits": vector_bytes(target) * 8,
-            "isa": build.target_isa(target),
+            "isa": targets.target_isa(target),
             "tuning_threads": int(target.attrs.get("num-cores", os.cpu_count() or 1)),
             "tvm_version": tvm.__version__,
             "tvm_deform_version": __version__,

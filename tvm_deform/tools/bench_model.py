@@ -22,8 +22,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .bench import Timing, measure, relative_error
-from .definition import ConvShape
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.tools.bench import Timing, measure, relative_error
 
 #: implementation name -> the deform_conv2d it calls (torchvision's imported lazily)
 IMPLEMENTATIONS = ("torchvision", "tvm_deform", "dense")
@@ -34,7 +34,7 @@ def _deform_function(implementation: str) -> Callable[..., torch.Tensor]:
         import torchvision.ops
 
         return torchvision.ops.deform_conv2d
-    from .ops import deform_conv2d
+    from tvm_deform.binding.ops import deform_conv2d
 
     return deform_conv2d
 
@@ -177,7 +177,7 @@ def openvino_runner(model: nn.Module, example: torch.Tensor, threads: int):
     import numpy as np
     import openvino
 
-    from .peers import openvino_config
+    from tvm_deform.tools.peers import openvino_config
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -271,7 +271,7 @@ class LayerRow:
 def layers_in_model(size: int = 320, batch: int = 1, repeats: int = 10) -> list[LayerRow]:
     """Each DCN layer's time inside the model (tvm_deform variant, eager: the op's own time,
     between the model's torch ops) against the same layer alone on the same inputs."""
-    from .ops import deform_conv2d
+    from tvm_deform.binding.ops import deform_conv2d
 
     model = r50_dcnv2("tvm_deform")
     x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1))

@@ -24,9 +24,9 @@ from typing import Literal
 
 import torch
 
-from .compat import sampled_image
-from .ops import deform_conv2d
-from .validation import as_pair
+from tvm_deform.binding.ops import deform_conv2d
+from tvm_deform.binding.validation import as_pair
+from tvm_deform.compat import sampled_image
 
 Mode = Literal["io", "accumulate"]
 

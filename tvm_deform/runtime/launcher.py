@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from . import env
+from tvm_deform import env
 
 SOURCE = Path(__file__).with_name("launcher.cc")
 

@@ -7,8 +7,9 @@ The fallback chain, first match wins:
    found there, unless the default schedule's own measurement there (``DEFAULT_SPACE``) is
    faster; these were measured on this kind of machine, so their decision is taken;
 3. no logs of this machine's own: the best record of each compatible hardware key (same target
-   kind, architecture and vector ISA, from its manifest, see :mod:`tvm_deform.hardware`) is a
-   candidate, timed on this machine against the default schedule by :mod:`tvm_deform.dispatch`;
+   kind, architecture and vector ISA, from its manifest, see :mod:`tvm_deform.runtime.hardware`)
+   is a candidate, timed on this machine against the default schedule by
+   :mod:`tvm_deform.runtime.dispatch`;
    another machine's decision is never taken as if measured here;
 4. no record: the default schedule.
 
@@ -29,8 +30,9 @@ from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
 from tvm.target import Target
 
-from . import definition, env
-from .definition import ConvShape
+from tvm_deform import env
+from tvm_deform.ir import definition
+from tvm_deform.ir.definition import ConvShape
 
 #: the database (beside the design spaces') that holds the default schedule's own measurement,
 #: taken at tune time with the same builder and runner: a tuned record is used only if it beat it
@@ -107,7 +109,7 @@ def manifest_isa(manifest: dict) -> str | None:
 def candidate_keys(root: Path, target: Target, hardware_key: str) -> list[str]:
     """The hardware keys to look at under ``root``: the exact one, then compatible ones (same
     target kind, architecture and vector ISA)."""
-    from .build import target_isa
+    from tvm_deform.runtime.targets import target_isa
 
     keys = [hardware_key]
     kind_dir = root / target.kind.name

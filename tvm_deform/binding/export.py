@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .validation import ArgumentError
+from tvm_deform.binding.validation import ArgumentError
 
 #: the ONNX opset that introduced ``DeformConv``
 DEFORM_CONV_OPSET = 19

@@ -25,12 +25,13 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, build, dispatch, logs
-from .bench import BETWEEN, DISPATCHED, Row, compare_layer
-from .definition import ConvShape
+from tvm_deform import __version__
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.runtime import dispatch, records, targets
+from tvm_deform.tools.bench import BETWEEN, DISPATCHED, Row, compare_layer
+from tvm_deform.tools.inputs import TOLERANCE
 
 #: a relative error (norm-wise, against torchvision) above this fails the correctness column
-TOLERANCE = {"float32": 1e-5, "float64": 1e-10, "float16": 5e-3, "bfloat16": 3e-2}
 
 
 def measure_peak_gflops(size: int = 3072, runs: int = 8) -> float:
@@ -54,8 +55,8 @@ def environment() -> dict[str, object]:
     import tvm
 
     return {
-        "hardware_key": build.hardware_key(build.host_target()),
-        "cpu": build.host_cpu(),
+        "hardware_key": targets.hardware_key(targets.host_target()),
+        "cpu": targets.host_cpu(),
         "machine": platform.machine(),
         "threads": torch.get_num_threads(),
         "tvm_deform": __version__,
@@ -67,9 +68,9 @@ def environment() -> dict[str, object]:
 
 def own_logs_line() -> str:
     """Whether this machine has tuning logs of its own, in words."""
-    target = build.host_target()
-    key = build.hardware_key(target)
-    if any((root / key).is_dir() for root in logs.log_roots()):
+    target = targets.host_target()
+    key = targets.hardware_key(target)
+    if any((root / key).is_dir() for root in records.log_roots()):
         return f"tuning logs of this machine's own: {key}"
     return (
         f"no tuning logs of this machine's own ({key}): other machines' records are timed "
@@ -128,7 +129,7 @@ def run(
             progress(f"[{index}/{len(workloads)}] {name}")
             measured = compare_layer(name, shape, peers, other_logs)
             # After the timing: the first call made any decision that was still to be made.
-            target = build.host_target()
+            target = targets.host_target()
             progress(f"  deform_conv2d runs here: {dispatch.describe(shape, target)}")
             records += rows_for_layer(name, shape, measured, peak, env)
     except KeyboardInterrupt:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .definition import ConvShape
+from tvm_deform.ir.definition import ConvShape
 
 #: torch dtype -> the dtype name of the TensorIR definition
 DTYPES = {

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .definition import ConvShape
-from .inputs import conv_kwargs, random_inputs
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.tools.inputs import conv_kwargs, random_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +39,10 @@ def measure(
     min_runs: int = 10,
     min_seconds: float = 0.3,
     before: Callable[[], object] | None = None,
+    cuda: bool = False,
 ) -> Timing:
-    """Median and 20/80 percentiles of ``fn``'s wall time, after ``warmup`` calls.
+    """Median and 20/80 percentiles of ``fn``'s time, after ``warmup`` calls: the wall clock,
+    or with ``cuda`` CUDA events around each call on the current stream.
 
     With ``before`` (a torch op), each call of ``fn`` follows an untimed call of it, as a layer
     runs inside a model: whatever ``before`` leaves running (torch's OpenMP workers spin for a
@@ -49,6 +51,13 @@ def measure(
     def call() -> float:
         if before is not None:
             before()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
         begin = time.perf_counter()
         fn()
         return time.perf_counter() - begin
@@ -104,9 +113,10 @@ def compare_layer(
     call back to back)."""
     import torchvision.ops
 
-    from . import build, deform_conv2d, logs
-    from .ops import run_forward
-    from .peers import PEERS
+    from tvm_deform import deform_conv2d
+    from tvm_deform.binding.ops import run_forward
+    from tvm_deform.runtime import kernels, records, targets
+    from tvm_deform.tools.peers import PEERS
 
     inputs = random_inputs(shape)
     kwargs = conv_kwargs(shape)
@@ -120,21 +130,21 @@ def compare_layer(
         DISPATCHED: lambda: deform_conv2d(x, offset, weight, bias, mask=mask, **kwargs),
     }
     # The default schedule, and each design space's best tuned record for this shape.
-    target = build.host_target()
-    key = build.hardware_key(target)
-    kernels = {"tvm_deform default": build.load_kernel(shape, target)}
+    target = targets.host_target()
+    key = targets.hardware_key(target)
+    compiled = {"tvm_deform default": kernels.load_kernel(shape, target)}
     roots = [None] + ([Path(other_logs)] if other_logs is not None else [])
     for root in roots:
-        found = logs.find_records(shape, target, key, roots=None if root is None else [root])
+        found = records.find_records(shape, target, key, roots=None if root is None else [root])
         for record in found:
-            if record.space == logs.DEFAULT_SPACE:  # the default schedule, timed above
+            if record.space == records.DEFAULT_SPACE:  # the default schedule, timed above
                 continue
             where = "" if record.hardware_key == key else f" ({record.hardware_key})"
             where += "" if root is None else " (other logs)"
-            kernels[f"tvm_deform tuned {record.space}{where}"] = build.load_kernel(
+            compiled[f"tvm_deform tuned {record.space}{where}"] = kernels.load_kernel(
                 shape, target, record
             )
-    for label, kernel in kernels.items():
+    for label, kernel in compiled.items():
         candidates[label] = functools.partial(
             run_forward, shape, x, offset, weight, bias, mask, kernel
         )
@@ -192,7 +202,7 @@ def compare_training_step(name: str, shape: ConvShape) -> list[Row]:
     over the gradients."""
     import torchvision.ops
 
-    from . import deform_conv2d
+    from tvm_deform import deform_conv2d
 
     inputs = random_inputs(shape)
     kwargs = conv_kwargs(shape)
@@ -264,10 +274,14 @@ def training_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+def geometric_mean(values: Sequence[float]) -> float:
+    """The geometric mean of ``values`` (NaN when there are none)."""
+    return math.prod(values) ** (1 / len(values)) if values else float("nan")
+
+
 def geometric_mean_speedup(rows: Sequence[Row]) -> float:
     """Geometric mean over layers of torchvision's time over tvm_deform's."""
     by_layer: dict[str, dict[str, float]] = {}
     for row in rows:
         by_layer.setdefault(row.layer, {})[row.implementation] = row.timing.median_ms
-    ratios = [t["torchvision"] / t["tvm_deform"] for t in by_layer.values()]
-    return math.prod(ratios) ** (1 / len(ratios))
+    return geometric_mean([t["torchvision"] / t["tvm_deform"] for t in by_layer.values()])

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .definition import ConvShape
+from tvm_deform.ir.definition import ConvShape
 
 PeerFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 

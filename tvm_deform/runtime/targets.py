@@ -1,0 +1,97 @@
+"""Targets: this machine's CPU and CUDA targets, the hardware key that names a machine's tuning
+logs, and the workload key that names one compiled kernel."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+# TVM's thread variables are set by tvm_deform.env, which the package's __init__ imports before
+# any module that imports TVM.
+from tvm.target import Target, codegen
+
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.runtime import hardware
+
+
+@functools.cache
+def host_cpu() -> str:
+    """The LLVM name of this machine's CPU, e.g. ``znver4``."""
+    return str(codegen.llvm_get_system_cpu())
+
+
+@functools.cache
+def host_target() -> Target:
+    """The LLVM target of this machine.
+
+    ``mcpu`` is LLVM's name of the CPU; ``mattr`` turns AVX-512 off when the CPU's own flags
+    lack it although that CPU model has it (see :mod:`tvm_deform.runtime.hardware`); ``mtriple``
+    is the
+    host's (the TVM wheel's own default triple is its build machine's and makes LLVM reject
+    ``-mcpu=native``); ``num-cores`` is the number of cores this process may use, which
+    MetaSchedule needs.
+    """
+    cpu = hardware.detect()
+    attrs = {"kind": "llvm", "mcpu": host_cpu(), "mtriple": hardware.triple(cpu.machine)}
+    if cpu.machine == "x86_64" and cpu.isa != "avx512":
+        if codegen.target_has_features("avx512f", Target(attrs)):
+            attrs["mattr"] = ["-avx512f"]
+    return Target({**attrs, "num-cores": cpu.cores})
+
+
+def cpu_target(cpu: hardware.CPU) -> Target:
+    """An LLVM target for a CPU known only by its flags (another machine's, for
+    cross-compiling): its architecture's generic model at the CPU's vector ISA."""
+    mcpu, mattr = hardware.generic_llvm_cpu(cpu)
+    attrs = {"kind": "llvm", "mcpu": mcpu, "mtriple": hardware.triple(cpu.machine, "Linux")}
+    return Target({**attrs, **({"mattr": mattr} if mattr else {}), "num-cores": cpu.cores})
+
+
+#: what every CUDA target of ours declares besides its ``arch``: the limits that hold on every
+#: NVIDIA GPU since Volta (MetaSchedule and the schedule's tile choice read them)
+CUDA_LIMITS = {
+    "max_threads_per_block": 1024,
+    "max_shared_memory_per_block": 49152,
+    "thread_warp_size": 32,
+}
+
+
+def cuda_target(arch: str) -> Target:
+    """The CUDA target of an NVIDIA GPU architecture such as ``sm_90``, with this machine's
+    LLVM target as its host."""
+    if not (arch.startswith("sm_") and arch[3:].rstrip("a").isdigit()):
+        raise ValueError(f"a CUDA architecture looks like 'sm_90', got {arch!r}")
+    return Target({"kind": "cuda", "arch": arch, **CUDA_LIMITS, "host": host_target()})
+
+
+def hardware_key(target: Target) -> str:
+    """Directory name of ``target``'s tuning logs, e.g. ``llvm/znver4`` or ``cuda/sm_90``."""
+    attrs = target.attrs
+    kind = target.kind.name
+    if kind == "llvm":
+        masked = "-avx512f" in [str(a) for a in attrs.get("mattr", [])]
+        return f"llvm/{attrs.get('mcpu', 'generic')}" + ("-noavx512" if masked else "")
+    if kind == "cuda":
+        return f"cuda/{attrs.get('arch', 'unknown')}"
+    return kind
+
+
+def workload_key(shape: ConvShape, target: Target) -> str:
+    """A stable text naming one compiled kernel: every shape parameter, the dtype and target."""
+    fields = dataclasses.asdict(shape)
+    fields["target"] = json.loads(json.dumps(dict(target.attrs), default=str)) | {
+        "kind": target.kind.name
+    }
+    return json.dumps(fields, sort_keys=True)
+
+
+def target_isa(target: Target) -> str:
+    """The vector ISA an LLVM ``target`` compiles for (avx512, avx2, avx, sse, sve, neon)."""
+    triple = str(target.attrs.get("mtriple", "x86_64"))
+    if triple.startswith(("aarch64", "arm64")):
+        return "sve" if codegen.target_has_features("sve", target) else "neon"
+    for feature, isa in (("avx512f", "avx512"), ("avx2", "avx2"), ("avx", "avx")):
+        if codegen.target_has_features(feature, target):
+            return isa
+    return "sse"

@@ -1,0 +1,71 @@
+"""Offline CUDA builds: the CUDA source of a kernel and its nvcc build with the machine code
+checked, for machines without a GPU (the CLI's ``build`` command and the tests)."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import tempfile
+from pathlib import Path
+
+# TVM's thread variables are set by tvm_deform.env, which the package's __init__ imports before
+# any module that imports TVM.
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.runtime import records
+from tvm_deform.runtime.kernels import compile_kernel
+from tvm_deform.runtime.targets import cuda_target
+
+
+def cuda_source(shape: ConvShape, arch: str, record: records.TunedRecord | None = None) -> str:
+    """The CUDA C source of ``shape``'s forward kernels for ``arch`` (default schedule, or
+    ``record``'s), as TVM generates it; needs no GPU."""
+    # Built without the CUDA runtime, the device module keeps its source (format "cuda").
+    built = compile_kernel(shape, cuda_target(arch), record)
+    sources = [m.inspect_source("cuda") for m in built.mod.imports if m.kind == "cuda"]
+    if not any(sources):
+        raise RuntimeError(f"TVM produced no CUDA source for {shape} on {arch}")
+    return "\n".join(sources)
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaBuild:
+    """Machine code built by nvcc from a generated CUDA source, and what ptxas reported."""
+
+    arch: str
+    cubin: bytes
+    #: kernel name -> ptxas's resource line ("Used 40 registers, used 1 barriers, ...")
+    kernels: dict[str, str]
+
+    @property
+    def machine_arch(self) -> int:
+        """The SM version the cubin's machine code is for, from its ELF header (90 for sm_90)."""
+        if self.cubin[:4] != b"\x7fELF":
+            raise ValueError("not an ELF cubin")
+        (flags,) = struct.unpack_from("<I", self.cubin, 48)
+        return (flags >> 8) & 0xFF
+
+
+def nvcc_build(source: str, arch: str, nvcc: str = "nvcc") -> CudaBuild:
+    """Compile ``source`` for ``arch`` with the installed nvcc into a cubin (``-O3``), keeping
+    ptxas's per-kernel report. Raises RuntimeError with nvcc's messages when it fails."""
+    import re
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as directory:
+        cu, cubin = Path(directory) / "kernels.cu", Path(directory) / "kernels.cubin"
+        cu.write_text(source)
+        result = subprocess.run(
+            [nvcc, "--cubin", f"-arch={arch}", "-O3", "-Xptxas=-v", "-o", str(cubin), str(cu)],
+            capture_output=True,
+            text=True,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"nvcc failed for {arch}:\n{result.stderr}")
+        kernels, current = {}, None
+        for line in result.stderr.splitlines():
+            entry = re.search(r"Compiling entry function '(\w+)' for '(\w+)'", line)
+            if entry:
+                current = entry.group(1)
+            elif current and "Used" in line:
+                kernels[current] = line.split(":", 1)[1].strip()
+        return CudaBuild(arch, cubin.read_bytes(), kernels)
