@@ -232,8 +232,11 @@ def run_info(args: argparse.Namespace) -> int:
             f"  no logs of this machine's own ({key}): records of compatible machines are timed "
             "here against the default at a shape's first use (`tvm-deform tune` writes own logs)"
         )
+    print("environment variables (value here, or unset):")
     for name, description in env.VARIABLES.items():
-        print(f"  {name}={os.environ.get(name, '')!s:<12} {description}")
+        value = os.environ.get(name)
+        setting = f"{name}={value}" if value is not None else f"{name} unset"
+        print(f"  {setting:<28} {description}")
     print()
     print("what deform_conv2d runs for each suite workload here:")
     for name, shape in load_suite(args.suite).items():
