@@ -19,8 +19,15 @@ from tvm_deform import deform_conv2d
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import dispatch, kernels, records, targets
 from tvm_deform.tools.inputs import conv_kwargs, random_inputs
+from tvm_deform.tools.merge import merge_logs
 from tvm_deform.tools.suite import load_suite
-from tvm_deform.tools.tuning import convergence_table, count_records, trial_history, tune
+from tvm_deform.tools.tuning import (
+    KEEP_PER_WORKLOAD,
+    convergence_table,
+    count_records,
+    trial_history,
+    tune,
+)
 
 TINY = ConvShape(1, 8, 10, 10, 8, 3, 3, pad_h=1, pad_w=1, has_bias=True)
 
@@ -349,3 +356,68 @@ def test_tuning_writes_a_choice_timed_through_the_op(tuned, tmp_path, monkeypatc
     record = kernels.resolve(TINY, targets.host_target())
     assert (record is None) == (flipped == "default")
     assert counted_measure == []
+
+
+def scaled_copy(out, destination, factor: float):
+    """The smoke tune's logs with every measured time multiplied by ``factor`` (another
+    machine of the same key that measured the same schedules faster or slower)."""
+    key = targets.hardware_key(targets.host_target())
+    shutil.copytree(out, destination)
+    for space_dir in (destination / key).iterdir():
+        if not (space_dir / "database_workload.json").exists():
+            continue
+        stored = ms.database.JSONDatabase(work_dir=str(space_dir)).get_all_tuning_records()
+        for name in ("database_workload.json", "database_tuning_record.json"):
+            (space_dir / name).unlink()
+        db = ms.database.JSONDatabase(work_dir=str(space_dir), allow_missing=True)
+        for record in stored:
+            db.commit_tuning_record(
+                ms.database.TuningRecord(
+                    record.trace,
+                    db.commit_workload(record.workload.mod),
+                    [float(s) * factor for s in record.run_secs],
+                    record.target,
+                    record.args_info,
+                )
+            )
+    (destination / key / dispatch.LOGS_DECISIONS).unlink(missing_ok=True)
+    return destination
+
+
+def test_merged_logs_keep_the_best_records_and_say_where_from(tuned, tmp_path, monkeypatch):
+    *_, out = tuned
+    key = targets.hardware_key(targets.host_target())
+    faster = scaled_copy(out, tmp_path / "faster", 0.1)
+    slower = scaled_copy(out, tmp_path / "slower", 10.0)
+    merged = tmp_path / "merged"
+    report = merge_logs([slower, out, faster], merged)
+    assert any(line.startswith(f"{key}/handwritten:") and str(faster) in line for line in report)
+    for space in ("handwritten", "default"):
+        best = records.best_in(merged / key / space, records.workload_module(TINY))
+        expected = records.best_in(faster / key / space, records.workload_module(TINY))
+        assert records.record_ms(best) == pytest.approx(records.record_ms(expected))
+        assert count_records(merged / key / space, TINY) <= KEEP_PER_WORKLOAD
+    manifest = json.loads((merged / key / "manifest.json").read_text())
+    assert manifest["workloads"]["tiny"]["handwritten"]["from"] == str(faster)
+    assert sorted(manifest["merged_from"]) == sorted(map(str, [slower, out, faster]))
+    # Dispatch reads the merged tree like any logs: its own records, with the faster times.
+    monkeypatch.setenv("TVM_DEFORM_LOGS", str(merged))
+    target = targets.host_target()
+    own = records.own_records(TINY, target, key)
+    assert {r.directory.parent for r in own} == {merged / key}
+    assert kernels.resolve(TINY, target) == dispatch.choose_own(TINY, "forward", own)
+    check_against_reference(TINY)
+
+
+def test_merge_keeps_the_trees_own_logs_and_rejects_missing_sources(tuned, tmp_path):
+    *_, out = tuned
+    key = targets.hardware_key(targets.host_target())
+    merged = tmp_path / "merged"
+    shutil.copytree(out, merged)
+    other = scaled_copy(out, tmp_path / "other", 2.0)
+    merge_logs([other], merged)
+    best = records.best_in(merged / key / "handwritten", records.workload_module(TINY))
+    own_best = records.best_in(out / key / "handwritten", records.workload_module(TINY))
+    assert records.record_ms(best) == pytest.approx(records.record_ms(own_best))
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        merge_logs([tmp_path / "nowhere"], merged)

@@ -16,7 +16,7 @@ from tvm.target import Target
 from tvm_deform import __version__, env
 from tvm_deform.binding.ops import deform_conv2d
 from tvm_deform.ir.definition import ConvShape
-from tvm_deform.runtime import targets
+from tvm_deform.runtime import kernels, targets
 from tvm_deform.runtime.records import OPS
 from tvm_deform.tools import cuda_build
 from tvm_deform.tools.peers import available_peers
@@ -246,12 +246,20 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 def run_tune(args: argparse.Namespace) -> int:
+    from tvm_deform.tools.fleet import Fleet
     from tvm_deform.tools.tuning import tune
 
     workloads = _chosen_workloads(args)
     spaces = SPACES if args.space == "all" else (args.space,)
     ops = OPS if args.op == "all" else (args.op,)
-    target = Target(json.loads(args.target)) if args.target else targets.host_target()
+    if bool(args.rpc) != bool(args.device_key):
+        raise SystemExit("--rpc and --device-key go together")
+    fleet = Fleet.parse(args.rpc, args.device_key) if args.rpc else None
+    target = Target(json.loads(args.target)) if args.target else None
+    if fleet is not None and target is None:
+        target, cpu = fleet.device()
+        print(f"device of {fleet}: {cpu}")
+    target = target or targets.host_target()
     logs_dir = None if args.no_write_logs else (args.logs_dir or _repository_logs())
     print(
         f"tuning {len(workloads)} workload(s) x {len(ops)} op(s) x {len(spaces)} space(s), "
@@ -267,6 +275,7 @@ def run_tune(args: argparse.Namespace) -> int:
         logs_dir,
         ops=ops,
         transfer=not args.no_transfer,
+        fleet=fleet,
     )
     if logs_dir is not None:
         print(f"pruned logs written to {Path(logs_dir) / targets.hardware_key(target)}")
@@ -288,17 +297,57 @@ def run_tune_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_build(args: argparse.Namespace) -> int:
-    import shutil
+def run_serve(args: argparse.Namespace) -> int:
+    from tvm_deform.tools.fleet import serve
 
+    serve(args.tracker, args.key, args.host, args.port, args.port_end)
+    return 0
+
+
+def run_logs(args: argparse.Namespace) -> int:
+    from tvm_deform.tools.merge import merge_logs
+
+    for line in merge_logs(args.dirs, args.out):
+        print(line)
+    print(f"merged logs written to {args.out}")
+    return 0
+
+
+def run_build(args: argparse.Namespace) -> int:
     workloads = _chosen_workloads(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.target:
+        return _build_cpu(workloads, Target(json.loads(args.target)), out)
+    return _build_cuda(workloads, args.arch, out)
+
+
+def _build_cpu(workloads: dict[str, ConvShape], target: Target, out: Path) -> int:
+    """Compile each workload's forward and backward kernels for an LLVM ``target`` (any
+    architecture: no linking) and write their object files."""
+    if target.kind.name != "llvm":
+        raise SystemExit(f"--target builds LLVM (CPU) targets; got {target.kind.name}")
+    key = targets.hardware_key(target).replace("/", "_")
+    for name, shape in workloads.items():
+        built = {
+            "forward": kernels.compile_kernel(shape, target),
+            "backward": kernels.compile_backward(shape, target),
+        }
+        for op, executable in built.items():
+            path = out / f"{name}-{op}-{key}.o"
+            executable.mod.write_to_file(str(path))
+            print(f"{path}: {path.stat().st_size} bytes")
+    return 0
+
+
+def _build_cuda(workloads: dict[str, ConvShape], arches: list[str], out: Path) -> int:
+    import shutil
+
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         print("nvcc not found: writing the CUDA sources only")
     for name, shape in workloads.items():
-        for arch in args.arch:
+        for arch in arches:
             source = cuda_build.cuda_source(shape, arch)
             path = out / f"{name}-{arch}.cu"
             path.write_text(source)
@@ -389,6 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune.add_argument("--work-dir", default="work/tune", help="full tuning databases (resumed)")
     tune.add_argument("--logs-dir", help="where pruned logs go (default: the shipped logs)")
     tune.add_argument("--no-write-logs", action="store_true", help="keep results in work dir")
+    tune.add_argument("--rpc", metavar="HOST:PORT", help="measure on an RPC tracker's servers")
+    tune.add_argument("--device-key", help="the servers' key at the tracker (with --rpc)")
     tune.add_argument(
         "--no-transfer",
         action="store_true",
@@ -413,8 +464,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     cmp.add_argument("--no-peers", action="store_true", help="leave out ONNX Runtime/OpenVINO")
     cmp.add_argument("--no-plot", action="store_true", help="skip the PNG")
     cuda = sub.add_parser(
-        "build", help="write the generated CUDA source (and nvcc's cubin) of workloads"
+        "build",
+        help="write workloads' CUDA source and nvcc's cubin, or (--target) CPU object files",
     )
+    cuda.add_argument("--target", help="an LLVM target as JSON: write its object files instead")
     cuda.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"], help="CUDA archs")
     cuda.add_argument("--suite", help="a suite JSON file instead of the shipped one")
     cuda.add_argument("--workload", action="append", help="only this suite workload")
@@ -423,6 +476,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser(
         "diagnose", help="the seed bug: the layer in float32 next to its float16 computation"
     )
+    serve = sub.add_parser("serve", help="an RPC server for `tune --rpc` (a device of a fleet)")
+    serve.add_argument("--tracker", required=True, metavar="HOST:PORT")
+    serve.add_argument("--key", required=True, help="the device key it registers under")
+    serve.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    serve.add_argument("--port", type=int, default=9090, help="first port to try")
+    serve.add_argument("--port-end", type=int, default=9199, help="last port to try")
+    logs = sub.add_parser("logs", help="tuning-log trees: merge")
+    logs_sub = logs.add_subparsers(dest="logs_command", required=True)
+    merge = logs_sub.add_parser("merge", help="merge log trees, keeping the best records")
+    merge.add_argument("dirs", nargs="+", help="log trees laid out like tuning_logs/")
+    merge.add_argument("--out", required=True, help="the merged tree (its own logs are kept)")
     args = parser.parse_args(argv)
     handlers = {
         "demo": run_demo,
@@ -435,6 +499,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tune-report": run_tune_report,
         "compare": run_compare,
         "build": run_build,
+        "serve": run_serve,
+        "logs": run_logs,
     }
     handler = handlers[args.command]
     return handler(args)

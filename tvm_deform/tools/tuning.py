@@ -51,6 +51,7 @@ from tvm_deform.runtime.records import (
 from tvm_deform.schedules.common import vector_bytes
 from tvm_deform.schedules.cpu import HandwrittenSpace
 from tvm_deform.schedules.cpu_backward import BackwardSpace
+from tvm_deform.tools.fleet import Fleet
 
 #: design spaces: name -> how MetaSchedule generates it
 SPACES = ("handwritten", "generic")
@@ -87,10 +88,27 @@ def _space_generator(space: str, op: str = "forward", target: Target | None = No
     raise ValueError(f"unknown design space {space!r}; expected one of {SPACES}")
 
 
-def _builder_initializer() -> None:
-    # Imported once per builder worker: the first build would otherwise import it lazily and
-    # run into the build timeout on a 2-core machine.
-    import tvm.s_tir.tensor_intrin  # noqa: F401
+def build_candidate(mod: tvm.IRModule, target: Target, _params: dict | None) -> tvm.runtime.Module:
+    """MetaSchedule's default build, less its import of every TensorIR intrinsic library
+    (``tvm.s_tir.tensor_intrin``: over 30 s, paid by each builder worker at every batch, since
+    the builder starts new workers each time). A candidate arrives scheduled, tensorized or
+    not, so lowering it needs none of them."""
+    from tvm.driver import build
+    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+
+    return build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
+
+
+def local_builder() -> ms.builder.LocalBuilder:
+    """Builds candidates here, one worker per core."""
+    return ms.builder.LocalBuilder(
+        timeout_sec=300, f_build=build_candidate, max_workers=os.cpu_count() or 1
+    )
+
+
+def runner_for(fleet: Fleet | None) -> ms.runner.Runner:
+    """Measures candidates on this machine, or on every server of ``fleet`` at once."""
+    return ms.runner.LocalRunner(timeout_sec=120) if fleet is None else fleet.runner()
 
 
 def label(name: str, op: str) -> str:
@@ -115,6 +133,7 @@ def _tune_task(
     trials: int,
     directory: str,
     op: str = "forward",
+    fleet: Fleet | None = None,
 ) -> None:
     """One (workload, op, space) tuning run; runs in a child process."""
     target = Target(json.loads(target_json))
@@ -127,8 +146,8 @@ def _tune_task(
         work_dir=str(Path(directory) / "runs" / label(name, op)),
         max_trials_global=trials,
         num_trials_per_iter=per_iter,
-        builder=ms.builder.LocalBuilder(timeout_sec=300, initializer=_builder_initializer),
-        runner=ms.runner.LocalRunner(timeout_sec=120),
+        builder=local_builder(),
+        runner=runner_for(fleet),
         database=db,
         space=_space_generator(space, op, target),
         # The hand-written space has few points: a small population suffices.
@@ -141,7 +160,11 @@ def _tune_task(
     )
 
 
-def _measure_task(items: list[tuple[ConvShape, str, str, str | None]], target_json: str) -> None:
+def _measure_task(
+    items: list[tuple[ConvShape, str, str, str | None]],
+    target_json: str,
+    fleet: Fleet | None = None,
+) -> None:
     """Measure each ``(shape, op, directory, source)`` with the builder and runner the tuning
     uses (one batch, so the builder's set-up is paid once) and commit the time to the database
     at ``directory``. ``source`` is another machine's database directory, whose best record of
@@ -157,10 +180,9 @@ def _measure_task(items: list[tuple[ConvShape, str, str, str | None]], target_js
         sch = tvm.s_tir.Schedule(mod)
         best_in(Path(source), mod).trace.apply_to_schedule(sch, remove_postproc=False)
         schedules.append(sch)
-    builder = ms.builder.LocalBuilder(timeout_sec=300, initializer=_builder_initializer)
-    built = builder.build([ms.builder.BuilderInput(sch.mod, target) for sch in schedules])
+    built = local_builder().build([ms.builder.BuilderInput(sch.mod, target) for sch in schedules])
     infos = [ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"]) for sch in schedules]
-    runner = ms.runner.LocalRunner(timeout_sec=120)
+    runner = runner_for(fleet)
     device = "cpu" if target.kind.name == "llvm" else target.kind.name
     inputs, measured = [], []
     for index, result in enumerate(built):
@@ -273,6 +295,7 @@ def tune(
     ops: Iterable[str] = ("forward",),
     measure_default: bool = True,
     transfer: bool = True,
+    fleet: Fleet | None = None,
 ) -> list[TaskResult]:
     """Tune every workload's ``ops`` kernels in every space for ``trials`` more trials,
     resuming from ``work_dir`` (``trials=0`` tunes nothing); then, if ``logs_dir`` is given,
@@ -284,7 +307,17 @@ def tune(
     ``transfer``, where the work directory has no record of a kernel in a space yet, the best
     record of that space in the logs of each compatible hardware key (another machine's), into
     that space's database. The search then starts from them, and its result is never slower
-    than what the other machines found, as measured here."""
+    than what the other machines found, as measured here.
+
+    With ``fleet``, candidates are built here and measured on the fleet's servers, all at once;
+    the logs go under the hardware key of ``target``, else of the target a device reports.
+    Choosing between tuned records and the default by timing through the op is then left to
+    dispatch on the device (it needs torch there)."""
+    cpu = None
+    if fleet is not None:
+        detected, cpu = fleet.device()
+        target = target or detected
+        progress(f"measuring on {fleet.servers()} server(s) of {fleet}: {cpu}")
     target = target or targets.host_target()
     key = targets.hardware_key(target)
     results = []
@@ -302,7 +335,7 @@ def tune(
     if batch:
         progress(f"measuring {len(batch)} schedule(s) here first (default, other machines' best)")
         items = [item[1:] for item in batch]
-        _run_in_child(context, _measure_task, (items, str(target)), "measuring", progress)
+        _run_in_child(context, _measure_task, (items, str(target), fleet), "measuring", progress)
         for name, shape, op, directory, source in batch:
             found = records(Path(directory), shape, op)
             what = "default schedule" if source is None else f"from {source}"
@@ -327,7 +360,7 @@ def tune(
         _run_in_child(
             context,
             _tune_task,
-            (name, shape, space, str(target), trials, str(directory), op),
+            (name, shape, space, str(target), trials, str(directory), op, fleet),
             f"[{task} / {space}] tuning",
             progress,
         )
@@ -353,8 +386,8 @@ def tune(
     progress(f"done in {_minutes(time.monotonic() - started)}")
     if logs_dir is not None:
         kept = [*spaces, DEFAULT_SPACE] if measure_default else spaces
-        write_pruned_logs(work_dir, logs_dir, workloads, kept, target, ops)
-        if targets.hardware_key(target) == targets.hardware_key(targets.host_target()):
+        write_pruned_logs(work_dir, logs_dir, workloads, kept, target, ops, cpu)
+        if fleet is None and key == targets.hardware_key(targets.host_target()):
             _decide_through_the_op(workloads, tasks, target, Path(logs_dir), progress)
     return results
 
@@ -464,10 +497,12 @@ def write_pruned_logs(
     spaces: Iterable[str],
     target: Target,
     ops: Iterable[str] = ("forward",),
+    cpu: str | None = None,
 ) -> Path:
     """Copy the best ``KEEP_PER_WORKLOAD`` records per workload, op and space from
     ``work_dir`` into ``logs_dir/<hardware key>/<space>/`` and write the manifest. Records of
-    other workloads or ops that are already in ``logs_dir`` are kept."""
+    other workloads or ops that are already in ``logs_dir`` are kept. ``cpu`` describes the
+    machine that measured (default: this one's CPU model)."""
     ops = list(ops)
     key = targets.hardware_key(target)
     out_root = Path(logs_dir) / key
@@ -527,7 +562,7 @@ def write_pruned_logs(
         {
             "hardware_key": key,
             "target": str(target),
-            "cpu": _cpu_model(),
+            "cpu": cpu or _cpu_model(),
             "vector_bits": vector_bytes(target) * 8,
             "isa": targets.target_isa(target),
             "tuning_threads": int(target.attrs.get("num-cores", os.cpu_count() or 1)),
