@@ -19,9 +19,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import tvm
+import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 
-from tvm_deform.runtime.records import forget_databases, record_ms
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.runtime.records import forget_databases, record_ms, workload_module
 from tvm_deform.tools.tuning import KEEP_PER_WORKLOAD, database
 
 #: a measurement at or above this (milliseconds) is MetaSchedule's mark of a failed run
@@ -51,8 +53,8 @@ def _read_json(path: Path) -> dict:
 def _merge_space(
     sources: list[Path], key: str, space: str, out_dir: Path, keep: int
 ) -> dict[str, int]:
-    """Write the merged database of one key and space into ``out_dir``; return how many
-    workloads' best record each source gave."""
+    """Write the merged database of one key and space into ``out_dir``; return, per workload
+    (structural hash of its module), the best time and the source tree it came from."""
     pooled: dict[int, dict[str, tuple[float, ms.database.TuningRecord, str]]] = {}
     modules: dict[int, tvm.IRModule] = {}
     for source in sources:
@@ -64,14 +66,14 @@ def _merge_space(
             run_ms = record_ms(record)
             if run_ms is None or run_ms >= FAILED_MS:
                 continue
-            workload = tvm.ir.structural_hash(record.workload.mod)
+            workload = tvm_ffi.structural_hash(record.workload.mod)
             modules.setdefault(workload, record.workload.mod)
             schedules = pooled.setdefault(workload, {})
             trace = str(record.trace)
             if trace not in schedules or run_ms < schedules[trace][0]:
                 schedules[trace] = (run_ms, record, str(source))
     out_db = database(out_dir)
-    best_from: dict[str, int] = {}
+    best: dict[int, tuple[float, str]] = {}
     for workload, schedules in pooled.items():
         kept = sorted(schedules.values(), key=lambda item: item[0])[:keep]
         committed = out_db.commit_workload(modules[workload])
@@ -81,11 +83,25 @@ def _merge_space(
                     record.trace, committed, record.run_secs, record.target, record.args_info
                 )
             )
-        best_from[kept[0][2]] = best_from.get(kept[0][2], 0) + 1
-    return best_from
+        best[workload] = (kept[0][0], kept[0][2])
+    return best
 
 
-def _merge_manifests(sources: list[Path], key: str) -> dict:
+def _workload_hash(name: str, entry: dict) -> int | None:
+    """The structural hash of the module a manifest entry (``name``, with its shape) is of."""
+    op = name.rpartition(":")[2] if ":" in name else "forward"
+    try:
+        return tvm_ffi.structural_hash(workload_module(ConvShape(**entry["shape"]), op))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _merge_manifests(
+    sources: list[Path], key: str, best: dict[str, dict[int, tuple[float, str]]]
+) -> dict:
+    """One manifest for ``key``: each workload and space's entry carries the merged best time
+    (``best``: space -> workload hash -> (ms, source)), the tree it came from, and the trials of
+    every source together; the machine fields are the first source's."""
     merged: dict = {}
     workloads: dict = {}
     for source in sources:
@@ -97,13 +113,13 @@ def _merge_manifests(sources: list[Path], key: str) -> dict:
                 merged.setdefault(field, value)
         for name, spaces in manifest.get("workloads", {}).items():
             for space, entry in spaces.items():
-                current = workloads.setdefault(name, {}).get(space)
-                best = entry.get("best_ms")
-                if current is None or (
-                    best is not None
-                    and (current.get("best_ms") is None or best < current["best_ms"])
-                ):
-                    workloads[name][space] = entry | {"from": str(source)}
+                current = workloads.setdefault(name, {}).setdefault(space, dict(entry, trials=0))
+                current["trials"] += entry.get("trials") or 0
+    for name, spaces in workloads.items():
+        for space, entry in spaces.items():
+            found = best.get(space, {}).get(_workload_hash(name, entry))
+            if found is not None:
+                entry.update(best_ms=round(found[0], 4), **{"from": found[1]})
     merged["workloads"] = workloads
     merged["merged_from"] = [str(s) for s in sources if (s / key).is_dir()]
     return merged
@@ -128,14 +144,18 @@ def merge_logs(
         staging = out / f".{key.replace('/', '_')}.merging"
         shutil.rmtree(staging, ignore_errors=True)
         spaces = sorted({space for tree in trees for space in _spaces(tree / key)})
+        best = {}
         for space in spaces:
-            best_from = _merge_space(trees, key, space, staging / space, keep)
+            best[space] = _merge_space(trees, key, space, staging / space, keep)
+            best_from: dict[str, int] = {}
+            for _, source in best[space].values():
+                best_from[source] = best_from.get(source, 0) + 1
             sources_said = ", ".join(f"{n} from {src}" for src, n in sorted(best_from.items()))
             report.append(
                 f"{key}/{space}: best record of {sum(best_from.values())} "
                 f"workload(s): {sources_said}"
             )
-        manifest = _merge_manifests(trees, key)
+        manifest = _merge_manifests(trees, key, best)
         (staging / "manifest.json").write_text(
             json.dumps(manifest, indent=2, sort_keys=True) + "\n"
         )
