@@ -8,7 +8,10 @@ pool, and the candidates are built for one core. Two numbers per fleet:
 - a whole tuning run (``tvm-deform tune --rpc``'s path): ``TRIALS`` trials of a fresh search,
   building here included, timed end to end.
 
-    .venv/bin/python tools/fleet_throughput.py > docs/fleet-throughput-<cpu>.md
+    .venv/bin/python tools/fleet_throughput.py docs/fleet-throughput-<cpu>.md
+
+(the table goes to that file: MetaSchedule's tuning children print their own progress on
+stdout)
 
 Needs as many cores as servers (the last fleet's servers take cores 0 and 1).
 """
@@ -71,7 +74,7 @@ def time_runner(runner: ms.runner.RPCRunner, inputs: list[ms.runner.RunnerInput]
     return elapsed
 
 
-def main() -> int:
+def main(out: Path) -> int:
     target = one_core_target()
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -102,25 +105,30 @@ def main() -> int:
                 runner_seconds = time_runner(runner, inputs)
             rows.append((servers, len(inputs), runner_seconds, result.trials, tuning_seconds))
     cpu = targets.hardware_key(targets.host_target())
-    print(f"Fleet throughput on loopback, {cpu}, workload {WORKLOAD}; each server a one-core")
-    print("device (pinned, one TVM thread). `python tools/fleet_throughput.py`.\n")
-    print(
+    lines: list[str] = []
+    say = lines.append
+    say(f"Fleet throughput on loopback, {cpu}, workload {WORKLOAD}; each server a one-core")
+    say("device (pinned, one TVM thread). `python tools/fleet_throughput.py`.")
+    say("")
+    say(
         "| servers | runner alone: candidates | s | per minute | whole tuning run: trials "
         "| s | per minute |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    say("|---:|---:|---:|---:|---:|---:|---:|")
     for servers, count, seconds, trials, tuning in rows:
-        print(
+        say(
             f"| {servers} | {count} | {seconds:.1f} | {count / seconds * 60:.0f} | {trials} "
             f"| {tuning:.0f} | {trials / tuning * 60:.1f} |"
         )
     one, two = rows
-    print(
-        f"\nTwo servers against one: runner {two[1] / two[2] / (one[1] / one[2]):.2f}x, "
+    say("")
+    say(
+        f"Two servers against one: runner {two[1] / two[2] / (one[1] / one[2]):.2f}x, "
         f"whole run {two[3] / two[4] / (one[3] / one[4]):.2f}x."
     )
+    out.write_text("\n".join(lines) + "\n")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(Path(sys.argv[1])))
