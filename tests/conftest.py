@@ -32,3 +32,16 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, name
     raise AssertionError(
         f"{name}: relative error {error:.3e} > {rtol:.1e}; first mismatches:\n" + "\n".join(lines)
     )
+
+
+@pytest.fixture
+def fresh_lookups():
+    """Tuning records and compiled kernels looked up afresh before and after the test (the log
+    directories change between tests)."""
+    from tvm_deform.runtime import kernels, records
+
+    records.forget_databases()
+    kernels.clear_memory_cache()
+    yield
+    records.forget_databases()
+    kernels.clear_memory_cache()

@@ -25,13 +25,7 @@ SHAPE = ConvShape(1, 16, 12, 12, 16, 3, 3, pad_h=1, pad_w=1, has_bias=True)
 TRIALS = 6
 
 
-@pytest.fixture(autouse=True)
-def _fresh_lookups():
-    records.forget_databases()
-    kernels.clear_memory_cache()
-    yield
-    records.forget_databases()
-    kernels.clear_memory_cache()
+pytestmark = pytest.mark.usefixtures("fresh_lookups")
 
 
 @pytest.fixture(scope="module")

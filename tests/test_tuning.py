@@ -32,13 +32,7 @@ from tvm_deform.tools.tuning import (
 TINY = ConvShape(1, 8, 10, 10, 8, 3, 3, pad_h=1, pad_w=1, has_bias=True)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_lookups():
-    records.forget_databases()
-    kernels.clear_memory_cache()
-    yield
-    records.forget_databases()
-    kernels.clear_memory_cache()
+pytestmark = pytest.mark.usefixtures("fresh_lookups")
 
 
 @pytest.fixture(scope="module")
