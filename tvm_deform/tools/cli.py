@@ -256,15 +256,14 @@ def run_tune(args: argparse.Namespace) -> int:
         raise SystemExit("--rpc and --device-key go together")
     fleet = Fleet.parse(args.rpc, args.device_key) if args.rpc else None
     target = Target(json.loads(args.target)) if args.target else None
-    if fleet is not None and target is None:
-        target, cpu = fleet.device()
-        print(f"device of {fleet}: {cpu}")
-    target = target or targets.host_target()
+    if fleet is None and target is None:
+        target = targets.host_target()
+    # With a fleet and no --target, tune() asks a device for its target.
+    machine = targets.hardware_key(target) if target is not None else f"the devices of {fleet}"
     logs_dir = None if args.no_write_logs else (args.logs_dir or _repository_logs())
     print(
         f"tuning {len(workloads)} workload(s) x {len(ops)} op(s) x {len(spaces)} space(s), "
-        f"{args.trials} trials each, for {targets.hardware_key(target)}; work directory "
-        f"{args.work_dir}"
+        f"{args.trials} trials each, for {machine}; work directory {args.work_dir}"
     )
     tune(
         workloads,
@@ -278,7 +277,7 @@ def run_tune(args: argparse.Namespace) -> int:
         fleet=fleet,
     )
     if logs_dir is not None:
-        print(f"pruned logs written to {Path(logs_dir) / targets.hardware_key(target)}")
+        print(f"pruned logs written under {logs_dir}")
     return 0
 
 

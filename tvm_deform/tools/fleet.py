@@ -109,8 +109,14 @@ class Fleet:
             return Target(json.loads(reply["target"])), reply["cpu"]
         except (AttributeError, RuntimeError, ValueError):
             pass  # a plain TVM server: ask its LLVM
+        from tvm_deform.runtime import hardware
+
         cpu = str(session.get_function("target.llvm_get_system_cpu")())
-        triple = str(session.get_function("target.llvm_get_system_triple")())
+        reported = str(session.get_function("target.llvm_get_system_triple")())
+        # The TVM wheel's LLVM reports its build machine's triple (e.g. x86_64-conda-linux-gnu):
+        # keep its architecture and system, as the host target does.
+        system = "Darwin" if "darwin" in reported else "Linux"
+        triple = hardware.triple(reported.split("-")[0], system)
         cores = int(session.get_function("runtime.NumThreads")())
         attrs = {"kind": "llvm", "mcpu": cpu, "mtriple": triple, "num-cores": cores}
         return Target(attrs), f"{cpu} ({triple}), as its LLVM sees it"
