@@ -1,6 +1,7 @@
 """The CPU schedule structures, each checked against torchvision on random layers: the
-column tile with pixel-vectorised or channels-last sampling, the inline (depthwise) structure,
-every design space of ``HandwrittenSpace``, and which structure the default picks."""
+column tile with pixel-vectorised or channels-last sampling, the output-channel structure, the
+inline (depthwise) structure, every design space of ``HandwrittenSpace``, and which structure
+the default picks."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tvm_deform.schedules.cpu import (
     HandwrittenSpace,
     Layer,
     apply_inline_structure,
+    apply_output_channel_structure,
     apply_structure,
     largest_divisor,
 )
@@ -81,6 +83,43 @@ def test_channels_last_half_precision(cfg, dtype):
     check(column_tile(schedule(cfg, dtype), channels_last=True), cfg, dtype)
 
 
+def output_channels(sch: s_tir.Schedule, tile: int = 16, pixels: int = 4, vector: int = 8):
+    layer = Layer.of(sch)
+    tile = tile if layer.pixels % tile == 0 else layer.pixels
+    vector = largest_divisor(layer.out_per_group, vector)
+    apply_output_channel_structure(
+        sch, [None, tile], [None, largest_divisor(tile, pixels)], [None, vector]
+    )
+    return sch
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[:8] + WIDE_CONFIGS, ids=lambda cfg: None)
+def test_output_channel_structure_matches_torchvision(cfg):
+    check(output_channels(schedule(cfg)), cfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_output_channel_structure_half_precision(dtype):
+    check(output_channels(schedule(WIDE_CONFIGS[1], dtype)), WIDE_CONFIGS[1], dtype)
+
+
+#: a layer the default schedules with the output-channel structure: two weight groups of 16
+#: output channels, two offset groups, 576 output pixels (padded to 640)
+OUTPUT_CHANNEL_LAYER = (
+    WIDE_CONFIGS[0]
+    | dict(n=1, c=32, h=24, w=24, o=32, kh=3, kw=3, stride=(1, 1), padding=(1, 1), dilation=(1, 1))
+    | dict(groups=2, offset_groups=2, use_mask=True, use_bias=True)
+)
+
+
+def test_default_output_channel_structure_matches_torchvision():
+    sch = DefaultCPU().apply(
+        definition.forward(shape_of(OUTPUT_CHANNEL_LAYER)), targets.host_target()
+    )
+    assert "weight_global" in blocks(sch)
+    check(sch, OUTPUT_CHANNEL_LAYER)
+
+
 def inline(sch: s_tir.Schedule, pixels: int = 8, channels: int = 16) -> s_tir.Schedule:
     layer = Layer.of(sch)
     assert layer.samples_used_once
@@ -120,9 +159,16 @@ def test_every_handwritten_design_space_matches_torchvision(cfg):
         check(space, cfg)
 
 
+def test_output_channel_design_space_matches_torchvision():
+    spaces = HandwrittenSpace()(schedule(OUTPUT_CHANNEL_LAYER))
+    with_packed_weight = [space for space in spaces if "weight_global" in blocks(space)]
+    assert len(spaces) == 3 and len(with_packed_weight) == 1
+    check(with_packed_weight[0], OUTPUT_CHANNEL_LAYER)
+
+
 def blocks(sch: s_tir.Schedule) -> set[str]:
     """The names among the definition's stages and the NHWC copy that ``sch`` still has."""
-    names = {"data_global", "columns", "conv", "output"}
+    names = {"data_global", "weight_global", "columns", "conv", "output"}
     present = set()
     for name in names:
         try:
@@ -144,3 +190,15 @@ def test_default_picks_the_structure_from_the_layer():
     inline_blocks = blocks(DefaultCPU().apply(definition.forward(depthwise), target))
     assert "data_global" in inline_blocks and "columns" not in inline_blocks
     assert "columns" in blocks(DefaultCPU().apply(definition.forward(multiplier), target))
+    # The output-channel structure where the weight is small and the map large; not for a
+    # 512-channel weight, a small map, or output channels that do not fill a vector per group.
+    packs = {
+        shape: "weight_global" in blocks(DefaultCPU().apply(definition.forward(shape), target))
+        for shape in (
+            ConvShape(1, 64, 32, 32, 64, 3, 3, pad_h=1, pad_w=1),
+            ConvShape(1, 512, 32, 32, 512, 3, 3, pad_h=1, pad_w=1),
+            ConvShape(1, 64, 16, 16, 64, 3, 3, pad_h=1, pad_w=1),
+            ConvShape(1, 64, 32, 32, 64, 3, 3, pad_h=1, pad_w=1, weight_groups=16),
+        )
+    }
+    assert list(packs.values()) == [True, False, False, False]

@@ -116,6 +116,20 @@ def test_default_schedule_is_measured_and_wins_when_faster(tuned, tmp_path, monk
     check_against_reference(TINY)
 
 
+def test_a_tune_without_its_work_directory_starts_from_the_logs(tuned, tmp_path, monkeypatch):
+    # The logs of this machine (as shipped, or from an earlier run whose work directory is
+    # gone) seed the new search, so that it starts from their best record, not from nothing.
+    *_, out = tuned
+    key = targets.hardware_key(targets.host_target())
+    monkeypatch.setenv("TVM_DEFORM_LOGS", str(out))
+    work = tmp_path / "work"
+    tune({"tiny": TINY}, 0, work, progress=lambda *_: None, measure_default=False)
+    seeded = records.best_in(work / key / "handwritten", records.workload_module(TINY))
+    shipped = records.best_in(out / key / "handwritten", records.workload_module(TINY))
+    assert seeded is not None
+    assert tvm_ffi.structural_equal(seeded.trace.as_json(), shipped.trace.as_json())
+
+
 def without_default(out, tmp_path):
     """A copy of the logs at ``out`` without the default schedule's measurements, so that the
     tuned records are dispatched whatever the smoke tune's few trials found."""

@@ -305,9 +305,9 @@ def tune(
     runner: with ``measure_default``, each kernel's default schedule (into the ``default``
     database, so that dispatch uses a tuned record only where it beat the default); with
     ``transfer``, where the work directory has no record of a kernel in a space yet, the best
-    record of that space in the logs of each compatible hardware key (another machine's), into
-    that space's database. The search then starts from them, and its result is never slower
-    than what the other machines found, as measured here.
+    record of that space in the logs of this hardware key and of each compatible one (other
+    machines'), into that space's database. The search then starts from them, and its result
+    is never slower than what the logs held, as measured here.
 
     With ``fleet``, candidates are built here and measured on the fleet's servers, all at once;
     the logs go under the hardware key of ``target``, else of the target a device reports.
@@ -444,7 +444,9 @@ def _first_measurements(
             if count_records(work_dir / key / space, shape, op):
                 continue  # resuming: the search starts from this machine's own records
             for root in log_roots():
-                for other in candidate_keys(root, target, key)[1:]:
+                # This machine's own logs too: a run without the work directory they came
+                # from starts from them rather than from nothing.
+                for other in candidate_keys(root, target, key):
                     source = root / other / space
                     if best_in(source, mod) is not None:
                         batch.append((name, shape, op, str(work_dir / key / space), str(source)))
