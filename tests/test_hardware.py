@@ -96,6 +96,8 @@ def test_llvm_vector_width_query_is_not_used():
 SHAPES = [
     ConvShape(1, 12, 9, 10, 8, 3, 3, pad_h=1, pad_w=1, has_bias=True),
     ConvShape(1, 16, 9, 10, 16, 3, 3, pad_h=1, pad_w=1, weight_groups=16),
+    # the output-channel structure (a small weight, 576 output pixels)
+    ConvShape(1, 16, 24, 24, 32, 3, 3, pad_h=1, pad_w=1),
 ]
 #: what the machine code of each kind of CPU must use: its own vector registers
 REGISTERS = {"avx2": "ymm", "avx512": "zmm", "sve": "v0.4s", "neon": "v0.4s"}
@@ -105,12 +107,14 @@ REGISTERS = {"avx2": "ymm", "avx512": "zmm", "sve": "v0.4s", "neon": "v0.4s"}
     "text, machine",
     [(ZEN1, "x86_64"), (ZEN4, "x86_64"), (NEOVERSE_V2, "aarch64"), (CORTEX_A72, "aarch64")],
 )
-@pytest.mark.parametrize("shape", SHAPES, ids=["dense", "depthwise"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["dense", "depthwise", "output_channels"])
 def test_default_schedules_build_for_each_cpu(text, machine, shape):
     cpu = hardware.parse_cpuinfo(text, machine)
     target = targets.cpu_target(cpu)
     forward = kernels.compile_kernel(shape, target).mod.inspect_source("asm")
     kernels.compile_backward(shape, target)
     assert REGISTERS[cpu.isa] in forward
+    if shape == SHAPES[2]:
+        assert "weight_global" in kernels.default_schedule(shape, target).mod.script()
     if cpu.isa == "avx2":
         assert "zmm" not in forward  # no AVX-512 instruction on an AVX2-only CPU
