@@ -107,6 +107,20 @@ def test_tensors_on_different_devices():
         deform_conv2d(**args)
 
 
+def test_arguments_that_passed_once_still_fail_when_they_change():
+    # Calls whose tensors have the shapes, dtypes and devices of a call that passed skip the
+    # checks; anything the checks read that differs is checked again.
+    args = good()
+    deform_conv2d(**args)
+    with pytest.raises(TypeError, match="all tensors must have the same dtype"):
+        deform_conv2d(**(args | dict(mask=args["mask"].double())))
+    with pytest.raises(ValueError, match="weight is on meta"):
+        deform_conv2d(**(args | dict(weight=args["weight"].to("meta"))))
+    with pytest.raises(ValueError, match="the output would be empty"):
+        deform_conv2d(**args, padding=0, dilation=3)
+    assert deform_conv2d(**args).shape == (2, 3, 4, 4)
+
+
 def test_custom_op_validates_too():
     args = good()
     with pytest.raises(ValueError, match="offset must have shape"):

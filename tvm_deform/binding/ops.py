@@ -484,8 +484,9 @@ def _checked_call(
         *as_pair(dilation, "dilation"),
     )
     tensors = (input, offset, weight, bias, mask)
-    if not all(t is None or isinstance(t, (torch.Tensor, torch.fx.Proxy)) for t in tensors):
-        _op_shape(*tensors, *geometry)
+    for tensor in tensors:
+        if tensor is not None and not isinstance(tensor, (torch.Tensor, torch.fx.Proxy)):
+            _op_shape(*tensors, *geometry)  # raises, naming the argument
     return torch.ops.tvm_deform.deform_conv2d(*tensors, *geometry, offset_grad_rule)
 
 

@@ -242,7 +242,13 @@ def get_kernel(
             return load_kernel(shape, target, None, layout)
         return load_kernel(shape, target, resolve(shape, target, tuned))
 
-    return _memoised(("forward", shape, layout, str(target), tuned), load)
+    return _memoised(("forward", shape, layout, _target_text(target), tuned), load)
+
+
+@functools.lru_cache(maxsize=64)
+def _target_text(target: Target) -> str:
+    """``str(target)``, once per target object (a few microseconds a call otherwise)."""
+    return str(target)
 
 
 def load_kernel(
