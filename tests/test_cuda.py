@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,9 +180,60 @@ def test_gpu_session_steps_run_on_the_cpu(tmp_path):
     code = gpu_session.main(["--out", str(tmp_path), "--device", "cpu", "--checks", "2", "--quick"])
     results = json.loads((tmp_path / "gpu_results.json").read_text())
     assert code == 0, results
+    assert results["first_kernel"]["value"]["passed"]
+    # 2 suite layers and 2 check configurations, built in parallel processes
+    assert results["build"]["ok"] and results["build"]["value"]["kernels"] == 4
     assert all(c["passed"] for c in results["check"]["value"])
+    assert "time_so_far" not in results
     table = (tmp_path / "gpu_results.md").read_text()
     assert "demo_64x56x56" in table and "speed-up over torchvision" in table
+
+
+def test_gpu_session_exits_non_zero_when_a_check_fails(tmp_path, monkeypatch):
+    from tvm_deform.tools import gpu_session
+
+    failing = [{"shape": {}, "dtype": "float32", "error": 1.0, "passed": False}]
+    monkeypatch.setattr(gpu_session, "check_correctness", lambda device, count: failing)
+    monkeypatch.setattr(gpu_session, "build_kernels", lambda shapes, device: {})
+    code = gpu_session.main(["--out", str(tmp_path), "--device", "cpu", "--checks", "1", "--quick"])
+    results = json.loads((tmp_path / "gpu_results.json").read_text())
+    assert code == 1
+    assert results["check"]["ok"] is False
+    assert results["time"]["ok"] is True  # the later steps still ran
+
+
+def test_gpu_session_keeps_timing_when_an_implementation_fails(monkeypatch):
+    # As torchvision's CUDA op in bfloat16: the row records the failure, the others are timed.
+    from tvm_deform.tools import gpu_session
+
+    def no_kernel(*args, **kwargs):
+        raise RuntimeError("no kernel for this dtype")
+
+    monkeypatch.setattr(gpu_session, "_our_kernel", no_kernel)
+    seen = []
+    rows = gpu_session.time_layers(
+        {"seed": SUITE["seed"]}, "cpu", runs=3, on_row=lambda row: seen.append(row)
+    )
+    assert seen == rows
+    by_name = {row["implementation"]: row for row in rows}
+    assert by_name["tvm_deform default"]["median_ms"] is None
+    assert "no kernel" in by_name["tvm_deform default"]["failure"]
+    assert by_name["torchvision"]["median_ms"] > 0 and by_name["conv2d (dense)"]["median_ms"] > 0
+    table = gpu_session.markdown(rows)
+    assert "| seed | float32 |" in table and " - |" in table
+    assert gpu_session.speedup_over_torchvision(rows) is None
+
+
+def test_every_device_call_fits(tmp_path):
+    # What a GPU session carries: the working tree in every call, one wheel part per call.
+    root = Path(__file__).resolve().parent.parent
+    script = ["bash", str(root / "tools" / "check_carry_sizes.sh")]
+    assert subprocess.run(script, capture_output=True, cwd=root).returncode == 0
+    part = tmp_path / "wheels.tar.part-aa"
+    with open(part, "wb") as file:
+        file.truncate(41 * 1024 * 1024)
+    result = subprocess.run([*script, str(part)], capture_output=True, text=True, cwd=root)
+    assert result.returncode == 1 and "at most 40 MiB" in result.stdout
 
 
 @needs_nvcc

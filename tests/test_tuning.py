@@ -102,6 +102,7 @@ def test_default_schedule_is_measured_and_wins_when_faster(tuned, tmp_path, monk
     shutil.copytree(out, tmp_path / "logs")
     (tmp_path / "logs" / key / dispatch.LOGS_DECISIONS).unlink()  # the tuner's rule alone
     default_dir = tmp_path / "logs" / key / records.DEFAULT_SPACE
+    records.unpack_database(default_dir)  # edited in place below
     db = ms.database.JSONDatabase(work_dir=str(default_dir), allow_missing=False)
     (record,) = db.get_top_k(db.commit_workload(records.workload_module(TINY)), 1)
     db.commit_tuning_record(
@@ -184,9 +185,24 @@ def test_missing_log_directory_falls_back_with_a_warning(tmp_path, monkeypatch):
         assert kernels.resolve(TINY, targets.host_target()) is None
 
 
+def test_logs_keep_their_workloads_packed(tuned):
+    # The pruned logs hold the workload file gzipped; read through records.open_database they
+    # give the same records as the work directory they were pruned from.
+    _, second, work, out = tuned
+    key = targets.hardware_key(targets.host_target())
+    logs = out / key / "handwritten"
+    assert (logs / records.PACKED_WORKLOADS).exists()
+    assert not (logs / records.WORKLOADS).exists()
+    assert all((d / records.PACKED_WORKLOADS).exists() for d in records.databases(out))
+    kept = [str(r.trace) for r in records.open_database(logs).get_all_tuning_records()]
+    work_db = ms.database.JSONDatabase(work_dir=str(work / key / "handwritten"))
+    assert set(kept) <= {str(r.trace) for r in work_db.get_all_tuning_records()}
+    assert count_records(logs, TINY) == len(kept) >= 1
+
+
 def shipped_databases():
     root = records.shipped_logs_dir()
-    return sorted(p.parent for p in root.glob("*/*/*/database_workload.json"))
+    return records.databases(root)
 
 
 @pytest.mark.parametrize("directory", shipped_databases(), ids=lambda p: str(p.parent.name))
@@ -196,8 +212,7 @@ def test_every_shipped_record_matches_a_suite_workload(directory):
         for name, shape in load_suite().items()
         for op in records.OPS
     }
-    db = ms.database.JSONDatabase(work_dir=str(directory), allow_missing=False)
-    stored = db.get_all_tuning_records()
+    stored = records.open_database(directory).get_all_tuning_records()
     assert stored, f"{directory} holds no records"
     for record in stored:
         assert any(tvm_ffi.structural_equal(record.workload.mod, mod) for mod in suite.values()), (
@@ -372,10 +387,10 @@ def scaled_copy(out, destination, factor: float):
     key = targets.hardware_key(targets.host_target())
     shutil.copytree(out, destination)
     for space_dir in (destination / key).iterdir():
-        if not (space_dir / "database_workload.json").exists():
+        if not records.is_database(space_dir):
             continue
-        stored = ms.database.JSONDatabase(work_dir=str(space_dir)).get_all_tuning_records()
-        for name in ("database_workload.json", "database_tuning_record.json"):
+        stored = records.open_database(space_dir).get_all_tuning_records()
+        for name in (records.PACKED_WORKLOADS, records.TUNING_RECORDS):
             (space_dir / name).unlink()
         db = ms.database.JSONDatabase(work_dir=str(space_dir), allow_missing=True)
         for record in stored:

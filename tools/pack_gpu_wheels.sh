@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Fetch the wheels a GPU machine without network needs to run tvm_deform (TVM and its FFI for
-# the machine's Python 3.12, and xgboost for MetaSchedule's cost model), and split them into
-# two parts that each fit in one device call (64 MiB with the repository). Run here, in the
-# repository root; the parts land in .gpu/ (git-ignored). See README "Running on a GPU".
+# the machine's Python 3.12, and xgboost for MetaSchedule's cost model), split them into parts
+# of at most 36 MiB, and check that each part plus the repository's working tree (what every
+# device call carries) stays under the per-call limit with margin. Run here, in the repository
+# root; the parts land in .gpu/ (git-ignored). See README "Running on a GPU".
 set -euo pipefail
 mkdir -p .gpu/download
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -12,6 +13,6 @@ python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --im
     apache-tvm==0.27.0.post1 apache-tvm-ffi==0.1.14.post1 xgboost-cpu==3.4.1
 rm -f .gpu/wheels.tar .gpu/wheels.tar.part-*
 tar -cf .gpu/wheels.tar -C .gpu/download .
-split -b 55m .gpu/wheels.tar .gpu/wheels.tar.part-
+split -b 36m .gpu/wheels.tar .gpu/wheels.tar.part-
 rm .gpu/wheels.tar
-ls -l .gpu/wheels.tar.part-*
+bash tools/check_carry_sizes.sh .gpu/wheels.tar.part-*

@@ -20,7 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gzip
+import hashlib
 import json
+import shutil
+import tempfile
 import warnings
 from importlib import resources
 from pathlib import Path
@@ -78,10 +82,75 @@ class TunedRecord:
         return f"{self.space}:{self.record.trace}"
 
 
+#: MetaSchedule's files of a database directory. The logs keep the workload file gzipped
+#: (``PACKED_WORKLOADS``): it holds every tuned PrimFunc in full, 17x smaller packed, and most of
+#: the repository's size otherwise.
+WORKLOADS = "database_workload.json"
+TUNING_RECORDS = "database_tuning_record.json"
+PACKED_WORKLOADS = WORKLOADS + ".gz"
+
+
+def is_database(directory: Path) -> bool:
+    """Whether ``directory`` holds a database, packed or not."""
+    return (directory / WORKLOADS).exists() or (directory / PACKED_WORKLOADS).exists()
+
+
+def databases(root: Path) -> list[Path]:
+    """The database directories of a log tree laid out ``<kind>/<key>/<space>/``."""
+    found = {
+        p.parent for pattern in (WORKLOADS, PACKED_WORKLOADS) for p in root.glob(f"*/*/*/{pattern}")
+    }
+    return sorted(found)
+
+
+def open_database(directory: Path) -> ms.database.JSONDatabase:
+    """The database at ``directory``. A packed one is read from an unpacked copy in the kernel
+    cache directory (``logs/<digest of its files>``; a temporary directory when that is not
+    writable), so MetaSchedule reads it as usual; writes to it do not reach ``directory``."""
+    directory = Path(directory)
+    if (directory / WORKLOADS).exists():
+        return ms.database.JSONDatabase(work_dir=str(directory), allow_missing=False)
+    packed = (directory / PACKED_WORKLOADS).read_bytes()
+    tuning = directory / TUNING_RECORDS
+    tuning_bytes = tuning.read_bytes() if tuning.exists() else b""
+    digest = hashlib.sha256(packed + b"\0" + tuning_bytes).hexdigest()[:20]
+    try:
+        copy = env.cache_dir() / "logs" / digest
+        copy.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        copy = Path(tempfile.mkdtemp(prefix="tvm_deform_logs_")) / digest
+    if not (copy / WORKLOADS).exists():
+        staging = Path(tempfile.mkdtemp(dir=copy.parent, prefix=f".{digest}."))
+        (staging / WORKLOADS).write_bytes(gzip.decompress(packed))
+        (staging / TUNING_RECORDS).write_bytes(tuning_bytes)
+        try:
+            staging.rename(copy)
+        except OSError:  # another process unpacked it first
+            shutil.rmtree(staging, ignore_errors=True)
+    return ms.database.JSONDatabase(work_dir=str(copy), allow_missing=False)
+
+
+def pack_database(directory: Path) -> None:
+    """Gzip the workload file of the database at ``directory`` (reproducibly: no timestamp)."""
+    plain = Path(directory) / WORKLOADS
+    if plain.exists():
+        data = gzip.compress(plain.read_bytes(), compresslevel=9, mtime=0)
+        (plain.parent / PACKED_WORKLOADS).write_bytes(data)
+        plain.unlink()
+
+
+def unpack_database(directory: Path) -> None:
+    """Undo :func:`pack_database` in place (to edit a packed database)."""
+    packed = Path(directory) / PACKED_WORKLOADS
+    if packed.exists():
+        (packed.parent / WORKLOADS).write_bytes(gzip.decompress(packed.read_bytes()))
+        packed.unlink()
+
+
 @functools.cache
 def _database(directory: str) -> ms.database.JSONDatabase | None:
     try:
-        return ms.database.JSONDatabase(work_dir=directory, allow_missing=False)
+        return open_database(Path(directory))
     except Exception as error:  # noqa: BLE001 - any unreadable database is skipped
         warnings.warn(
             f"ignoring unreadable tuning log {directory}: {error}", RuntimeWarning, stacklevel=4
@@ -133,7 +202,7 @@ def record_ms(record: ms.database.TuningRecord) -> float | None:
 
 def best_in(directory: Path, mod: tvm.IRModule) -> ms.database.TuningRecord | None:
     """The fastest record of ``mod`` in the database at ``directory``, if any."""
-    if not (directory / "database_workload.json").exists():
+    if not is_database(directory):
         return None
     db = _database(str(directory))
     if db is None or not db.has_workload(mod):

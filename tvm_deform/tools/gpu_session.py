@@ -1,28 +1,31 @@
-"""One GPU session in one call (tools layer): build, check, tune, time, write results.
+"""One GPU session in one call (tools layer): check, build, tune, time, write results.
 
 Run on a machine with an NVIDIA GPU, offline, by ``tools/gpu_session.sh`` (which installs TVM
 from wheels brought along), or directly where TVM is installed::
 
-    python -m tvm_deform.tools.gpu_session --out OUT [--trials 32] [--tune-seconds 300]
+    python -m tvm_deform.tools.gpu_session --out OUT [--trials 32] [--tune-seconds 240]
 
-Steps, each recorded in ``OUT/gpu_results.json`` whether it passes or fails, so that one call
-yields everything it can:
+Steps, each recorded in ``OUT/gpu_results.json`` as soon as it ends, pass or fail, so that a
+call cut short keeps what was done; the exit code is non-zero if any step failed:
 
-1. environment: GPU, compute capability, driver-visible versions;
-2. build: the default CUDA kernel of every suite workload (compile seconds);
-3. check: random configurations of every parameter against torchvision's CUDA
-   ``deform_conv2d`` (float32, and float16/bfloat16 against float32 on the upcast inputs), and
-   a CUDA-graph capture on a side stream (fails if a kernel leaves torch's current stream or
-   the host synchronises);
-4. tune: the suite in MetaSchedule's generic CUDA space, ``--trials`` each, until
-   ``--tune-seconds`` have passed; the pruned logs go to ``OUT/tuning_logs_cuda.tar.gz``
-   (``cuda/<arch>/...``, to be checked into ``tuning_logs/``);
-5. time: per workload, the median of CUDA-event timings of torchvision, our default and tuned
-   kernels and cuDNN's dense ``conv2d`` of the same shape, float32, float16 and bfloat16;
-   ``OUT/gpu_results.md`` holds the table.
+1. environment: GPU, compute capability, versions;
+2. first kernel: the demo layer's default kernel builds, runs and matches torchvision (about a
+   minute); if it does not, the session stops here;
+3. build: every kernel the later steps run (the suite and the checks' configurations, in each
+   dtype), compiled in parallel processes into the kernel cache;
+4. check: random configurations against torchvision's CUDA ``deform_conv2d`` (float32, and
+   float16/bfloat16 against float32 on the upcast inputs), and a CUDA-graph capture on a side
+   stream (fails if a kernel leaves torch's current stream or the host synchronises);
+5. tune: the suite in MetaSchedule's generic CUDA space, ``--trials`` each, within
+   ``--tune-seconds``; the pruned logs go to ``OUT/tuning_logs_cuda.tar.gz`` (``cuda/<arch>/``,
+   to be checked into ``tuning_logs/``), and the timing then runs the tuned kernels too;
+6. time: per workload and dtype, the median of CUDA-event timings of torchvision (where it has
+   a kernel: not bfloat16), our default and tuned kernels and cuDNN's dense ``conv2d``; each
+   row is written as it is timed, and ``OUT/gpu_results.md`` holds the table.
 
-The same functions run on the CPU (``--device cpu``), which is how the tests exercise them on
-machines without a GPU.
+A step that would start after ``--deadline`` seconds is skipped (recorded as such), so that the
+call ends before the device's 600 s limit. The same functions run on the CPU (``--device cpu``),
+which is how the tests rehearse them on machines without a GPU.
 """
 
 from __future__ import annotations
@@ -59,19 +62,30 @@ def _inputs(shape: ConvShape, device: str, dtype: torch.dtype, seed: int = 0) ->
     return moved | conv_kwargs(shape)
 
 
+def check_shapes(count: int = 24, seed: int = 0) -> list[ConvShape]:
+    """The random configurations :func:`check_correctness` runs (float32)."""
+    rng = random.Random(seed)
+    return [
+        random_shape(
+            rng, (1, 1, 2, 4), channels_per_group=8, extra_size=40, batch=4, mask_probability=0.8
+        )
+        for _ in range(count)
+    ]
+
+
+def session_dtypes(device: str) -> list[torch.dtype]:
+    """The dtypes a session checks and times on ``device``."""
+    return [torch.float32] + ([torch.float16, torch.bfloat16] if device == "cuda" else [])
+
+
 def check_correctness(device: str, count: int = 24, seed: int = 0) -> list[dict]:
     """Our op against torchvision's on ``device`` for ``count`` random configurations, in
     float32 and, on CUDA, float16 and bfloat16 (against float32 on the upcast inputs)."""
     import torchvision.ops
 
-    rng = random.Random(seed)
-    dtypes = [torch.float32] + ([torch.float16, torch.bfloat16] if device == "cuda" else [])
     results = []
-    for index in range(count):
-        shape = random_shape(
-            rng, (1, 1, 2, 4), channels_per_group=8, extra_size=40, batch=4, mask_probability=0.8
-        )
-        for dtype in dtypes:
+    for index, shape in enumerate(check_shapes(count, seed)):
+        for dtype in session_dtypes(device):
             args = _inputs(shape, device, dtype, seed=index)
             ours = deform_conv2d(**args)
             upcast = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
@@ -86,6 +100,25 @@ def check_correctness(device: str, count: int = 24, seed: int = 0) -> list[dict]
                 }
             )
     return results
+
+
+def first_kernel(device: str) -> dict:
+    """The quick check a session starts with: the demo layer's default kernel builds, runs on
+    ``device`` and matches torchvision's op there (float32)."""
+    import torchvision.ops
+
+    shape = load_suite()["demo_64x56x56"]
+    args = _inputs(shape, device, torch.float32)
+    began = time.monotonic()
+    ours = deform_conv2d(**args)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    error = relative_error(ours, torchvision.ops.deform_conv2d(**args))
+    return {
+        "seconds": round(time.monotonic() - began, 2),
+        "error": error,
+        "passed": error <= TOLERANCE["float32"],
+    }
 
 
 def check_stream_capture(shape: ConvShape) -> bool:
@@ -111,9 +144,13 @@ def time_layers(
     device: str,
     dtypes: Sequence[torch.dtype] = (torch.float32,),
     runs: int = 20,
+    on_row: Callable[[dict], None] = lambda row: None,
 ) -> list[dict]:
     """Per layer and dtype: torchvision, our kernel (default schedule, and the tuned one when
-    the logs have it) and dense conv2d, timed side by side on the same inputs."""
+    the logs have it) and dense conv2d, timed side by side on the same inputs; ``on_row`` gets
+    each row as soon as it is timed. Errors are checked against torchvision in float32 on the
+    upcast inputs (its CUDA kernel has no bfloat16). An implementation that fails (torchvision
+    in a dtype it lacks) gets a row with its error instead of a time; the others still run."""
     import torchvision.ops
 
     target = targets.cuda_target(_arch()) if device == "cuda" else targets.host_target()
@@ -124,14 +161,22 @@ def time_layers(
             typed = dataclasses.replace(shape, dtype=dtype_name)
             args = _inputs(shape, device, dtype)
             kwargs = conv_kwargs(shape)
-            variants: dict[str, Callable[[], torch.Tensor]] = {
-                "torchvision": lambda args=args: torchvision.ops.deform_conv2d(**args),
-                "tvm_deform default": _our_kernel(typed, target, tuned=False, args=args),
+            upcast = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+            expected = torchvision.ops.deform_conv2d(**upcast)
+            # label -> a function that returns the call to time (building our kernels first,
+            # so that a failure to build is that row's result, and compiling is not timed)
+            variants: dict[str, Callable[[], Callable[[], torch.Tensor]]] = {
+                "torchvision": lambda args=args: lambda: torchvision.ops.deform_conv2d(**args),
+                "tvm_deform default": lambda typed=typed, args=args: _our_kernel(
+                    typed, target, tuned=False, args=args
+                ),
             }
             if kernels.resolve(typed, target) is not None:
-                variants["tvm_deform tuned"] = _our_kernel(typed, target, tuned=True, args=args)
+                variants["tvm_deform tuned"] = lambda typed=typed, args=args: _our_kernel(
+                    typed, target, tuned=True, args=args
+                )
             variants["conv2d (dense)"] = lambda args=args, kwargs=kwargs, shape=shape: (
-                torch.nn.functional.conv2d(
+                lambda: torch.nn.functional.conv2d(
                     args["input"],
                     args["weight"],
                     args["bias"],
@@ -139,21 +184,20 @@ def time_layers(
                     **kwargs,
                 )
             )
-            expected = variants["torchvision"]()
             with torch.no_grad():
-                for label, fn in variants.items():
-                    error = None if label.startswith("conv2d") else relative_error(fn(), expected)
-                    rows.append(
-                        {
-                            "layer": name,
-                            "dtype": dtype_name,
-                            "implementation": label,
-                            "median_ms": measure(
-                                fn, warmup=3, min_runs=runs, min_seconds=0, cuda=device == "cuda"
-                            ).median_ms,
-                            "error": error,
-                        }
-                    )
+                for label, make in variants.items():
+                    row = {"layer": name, "dtype": dtype_name, "implementation": label}
+                    try:
+                        fn = make()
+                        dense = label.startswith("conv2d")
+                        row["error"] = None if dense else relative_error(fn(), expected)
+                        row["median_ms"] = measure(
+                            fn, warmup=3, min_runs=runs, min_seconds=0, cuda=device == "cuda"
+                        ).median_ms
+                    except Exception as error:  # noqa: BLE001 - a missing kernel is a result
+                        row |= {"median_ms": None, "failure": repr(error)[:300]}
+                    rows.append(row)
+                    on_row(row)
     return rows
 
 
@@ -172,7 +216,8 @@ def _arch() -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    """One line per (layer, dtype): times, our speed-up over torchvision, ratio to conv2d."""
+    """One line per (layer, dtype): times, our speed-up over torchvision, ratio to conv2d ("-"
+    where an implementation has no time: torchvision in a dtype it lacks, or a failure)."""
     lines = [
         "| layer | dtype | torchvision ms | ours default ms | ours tuned ms | conv2d ms "
         "| speed-up (best) | best / conv2d | error |",
@@ -180,35 +225,46 @@ def markdown(rows: list[dict]) -> str:
     ]
     grouped: dict[tuple[str, str], dict[str, dict]] = {}
     for row in rows:
-        grouped.setdefault((row["layer"], row["dtype"]), {})[row["implementation"]] = row
+        if row.get("median_ms") is not None:
+            grouped.setdefault((row["layer"], row["dtype"]), {})[row["implementation"]] = row
     for (layer, dtype), found in grouped.items():
-        theirs = found["torchvision"]["median_ms"]
-        default = found["tvm_deform default"]
-        tuned = found.get("tvm_deform tuned")
-        best = min([default] + ([tuned] if tuned else []), key=lambda r: r["median_ms"])
-        dense = found["conv2d (dense)"]["median_ms"]
-        tuned_ms = f"{tuned['median_ms']:.3f}" if tuned else "-"
+        ours = [found[k] for k in ("tvm_deform default", "tvm_deform tuned") if k in found]
+        best = min(ours, key=lambda r: r["median_ms"]) if ours else None
+        error = f"{best['error']:.1e}" if best else "-"
         lines.append(
-            f"| {layer} | {dtype} | {theirs:.3f} | {default['median_ms']:.3f} | {tuned_ms} "
-            f"| {dense:.3f} | {theirs / best['median_ms']:.2f}x "
-            f"| {best['median_ms'] / dense:.2f}x | {best['error']:.1e} |"
+            f"| {layer} | {dtype} | {_ms(found, 'torchvision')} "
+            f"| {_ms(found, 'tvm_deform default')} | {_ms(found, 'tvm_deform tuned')} "
+            f"| {_ms(found, 'conv2d (dense)')} | {_ratio(found, 'torchvision', best)} "
+            f"| {_ratio(found, 'conv2d (dense)', best, inverse=True)} | {error} |"
         )
     return "\n".join(lines)
 
 
-def speedup_over_torchvision(rows: list[dict], dtype: str = "float32") -> float:
-    """Geometric mean over layers of torchvision's time over our best kernel's, in ``dtype``."""
+def _ms(found: dict[str, dict], label: str) -> str:
+    return f"{found[label]['median_ms']:.3f}" if label in found else "-"
+
+
+def _ratio(found: dict[str, dict], label: str, best: dict | None, inverse: bool = False) -> str:
+    """``label``'s time over ``best``'s (or the inverse), or "-" when either is missing."""
+    if best is None or label not in found:
+        return "-"
+    value = found[label]["median_ms"] / best["median_ms"]
+    return f"{1 / value if inverse else value:.2f}x"
+
+
+def speedup_over_torchvision(rows: list[dict], dtype: str = "float32") -> float | None:
+    """Geometric mean over layers of torchvision's time over our best kernel's, in ``dtype``
+    (None when no layer has both)."""
     grouped: dict[str, dict[str, float]] = {}
     for row in rows:
-        if row["dtype"] == dtype:
+        if row["dtype"] == dtype and row.get("median_ms") is not None:
             grouped.setdefault(row["layer"], {})[row["implementation"]] = row["median_ms"]
-    return geometric_mean(
-        [
-            t["torchvision"] / min(v for k, v in t.items() if k.startswith("tvm_deform"))
-            for t in grouped.values()
-            if "torchvision" in t
-        ]
-    )
+    ratios = [
+        t["torchvision"] / min(v for k, v in t.items() if k.startswith("tvm_deform"))
+        for t in grouped.values()
+        if "torchvision" in t and any(k.startswith("tvm_deform") for k in t)
+    ]
+    return geometric_mean(ratios) if ratios else None
 
 
 def tune_suite(layers: dict[str, ConvShape], trials: int, seconds: float, work: Path) -> dict:
@@ -241,11 +297,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="directory for the results and logs")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--trials", type=int, default=32, help="tuning trials per workload")
-    parser.add_argument("--tune-seconds", type=float, default=300, help="tuning time budget")
-    parser.add_argument("--checks", type=int, default=24, help="random configurations")
+    parser.add_argument("--tune-seconds", type=float, default=240, help="tuning time budget")
+    parser.add_argument("--checks", type=int, default=12, help="random configurations")
     parser.add_argument("--quick", action="store_true", help="two suite layers only")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=540,
+        help="seconds after which the remaining steps are skipped (a device call ends at 600)",
+    )
     args = parser.parse_args(argv)
 
+    started = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     suite = load_suite()
@@ -254,12 +317,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, object] = {"tvm_deform": __version__, "torch": torch.__version__}
     path = out / "gpu_results.json"
 
-    def step(name: str, fn: Callable[[], object]) -> object:
+    def step(name: str, fn: Callable[[], object], passed=lambda value: True) -> object:
+        """Run one step and write every result so far (a call cut short keeps them)."""
         began = time.monotonic()
+        if began - started > args.deadline:
+            results[name] = {"ok": False, "skipped": "past the deadline"}
+            path.write_text(json.dumps(results, indent=1, default=str))
+            return None
         print(f"== {name}", flush=True)
         try:
             value = fn()
-            results[name] = {"ok": True, "seconds": time.monotonic() - began, "value": value}
+            ok = bool(passed(value))
+            results[name] = {"ok": ok, "seconds": time.monotonic() - began, "value": value}
         except Exception as error:  # noqa: BLE001 - every step is recorded, pass or fail
             traceback.print_exc()
             results[name] = {"ok": False, "seconds": time.monotonic() - began, "error": repr(error)}
@@ -269,27 +338,70 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     cuda = args.device == "cuda"
     step("environment", lambda: _environment(cuda))
-    step("build", lambda: _build_all(suite, cuda))
-    checks = step("check", lambda: check_correctness(args.device, args.checks))
+    # The quick check first: without a kernel that runs and matches, nothing else is worth the
+    # device's time.
+    first = step("first_kernel", lambda: first_kernel(args.device), lambda v: v["passed"])
+    if not first or not first["passed"]:
+        return 1
+    step(
+        "build", lambda: build_kernels(session_shapes(suite, args.device, args.checks), args.device)
+    )
+    checks = step(
+        "check",
+        lambda: check_correctness(args.device, args.checks),
+        lambda value: all(c["passed"] for c in value),
+    )
     if checks:
         failed = [c for c in checks if not c["passed"]]
         print(f"   {len(checks) - len(failed)}/{len(checks)} checks passed")
     if cuda:
-        step("stream", lambda: check_stream_capture(suite["demo_64x56x56"]))
-        if args.trials > 0:
-            work = Path("/tmp/tvm_deform_gpu")
-            step("tune", lambda: tune_suite(suite, args.trials, args.tune_seconds, work))
-            step("pack_logs", lambda: _pack_logs(work / "logs", out / "tuning_logs_cuda.tar.gz"))
-    dtypes = (torch.float32, torch.float16, torch.bfloat16) if cuda else (torch.float32,)
-    rows = step("time", lambda: time_layers(suite, args.device, dtypes))
+        step("stream", lambda: check_stream_capture(suite["demo_64x56x56"]), lambda v: v is True)
+    if cuda and args.trials > 0:
+        work = Path("/tmp/tvm_deform_gpu")
+        # The tuning stops in time to leave the timing about two minutes before the deadline.
+        budget = min(args.tune_seconds, args.deadline - (time.monotonic() - started) - 120)
+        step("tune", lambda: tune_suite(suite, args.trials, budget, work))
+        step("pack_logs", lambda: _pack_logs(work / "logs", out / "tuning_logs_cuda.tar.gz"))
+        _use_logs(work / "logs")  # so that the timing runs the tuned kernels too
+    partial: list[dict] = []
+
+    def timed(row: dict) -> None:
+        partial.append(row)
+        results["time_so_far"] = partial
+        path.write_text(json.dumps(results, indent=1, default=str))
+
+    rows = step(
+        "time",
+        lambda: time_layers(suite, args.device, session_dtypes(args.device), on_row=timed),
+        lambda rows: all(
+            r["median_ms"] is not None or r["implementation"] == "torchvision" for r in rows
+        ),
+    )
+    if rows is not None:
+        results.pop("time_so_far", None)
+        path.write_text(json.dumps(results, indent=1, default=str))
+    rows = rows or partial
     if rows:
         table = markdown(rows)
         speedup = speedup_over_torchvision(rows)
+        summary = "-" if speedup is None else f"{speedup:.2f}x"
         (out / "gpu_results.md").write_text(
-            f"{table}\n\nfloat32 geometric-mean speed-up over torchvision: {speedup:.2f}x\n"
+            f"{table}\n\nfloat32 geometric-mean speed-up over torchvision: {summary}\n"
         )
         print(table)
     return 0 if all(r.get("ok") for r in results.values() if isinstance(r, dict)) else 1
+
+
+def _use_logs(logs: Path) -> None:
+    """Make dispatch read the tuning logs at ``logs`` from now on."""
+    import os
+
+    from tvm_deform.runtime import records
+
+    if logs.is_dir():
+        os.environ["TVM_DEFORM_LOGS"] = str(logs)
+        records.forget_databases()
+        kernels.clear_memory_cache()
 
 
 def _environment(cuda: bool) -> dict:
@@ -302,14 +414,45 @@ def _environment(cuda: bool) -> dict:
     return info
 
 
-def _build_all(layers: dict[str, ConvShape], cuda: bool) -> dict:
-    target = targets.cuda_target(_arch()) if cuda else targets.host_target()
-    seconds = {}
-    for name, shape in layers.items():
-        began = time.monotonic()
-        kernels.get_kernel(shape, target, tuned=False)
-        seconds[name] = round(time.monotonic() - began, 2)
-    return seconds
+def build_kernels(shapes: list[ConvShape], device: str, workers: int | None = None) -> dict:
+    """Compile the default kernels of ``shapes`` for ``device`` into the kernel cache, in
+    ``workers`` processes at once (default: one per core, at most 16): nvcc runs one compile a
+    process, and the later steps then load every kernel from the disk cache."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    workers = workers or min(16, os.cpu_count() or 1)
+    context = multiprocessing.get_context("spawn")
+    began, failures = time.monotonic(), {}
+    unique = list(dict.fromkeys(shapes))
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        futures = {pool.submit(_build_one, shape, device): shape for shape in unique}
+        for future in concurrent.futures.as_completed(futures):
+            error = future.exception()
+            if error is not None:
+                failures[targets.workload_key(futures[future], targets.host_target())] = repr(
+                    error
+                )[:300]
+    if failures:
+        raise RuntimeError(f"{len(failures)} of {len(unique)} kernels did not build: {failures}")
+    return {"kernels": len(unique), "workers": workers, "seconds": time.monotonic() - began}
+
+
+def _build_one(shape: ConvShape, device: str) -> None:
+    target = targets.cuda_target(_arch()) if device == "cuda" else targets.host_target()
+    kernels.get_kernel(shape, target, tuned=False)
+
+
+def session_shapes(suite: dict[str, ConvShape], device: str, checks: int) -> list[ConvShape]:
+    """Every kernel a session runs: the suite's and the checks' configurations, in each of the
+    session's dtypes."""
+    dtypes = [str(d).removeprefix("torch.") for d in session_dtypes(device)]
+    return [
+        dataclasses.replace(shape, dtype=dtype)
+        for shape in [*suite.values(), *check_shapes(checks)]
+        for dtype in dtypes
+    ]
 
 
 def _pack_logs(logs: Path, archive: Path) -> list[str]:

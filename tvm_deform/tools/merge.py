@@ -23,7 +23,15 @@ import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 
 from tvm_deform.ir.definition import ConvShape
-from tvm_deform.runtime.records import forget_databases, record_ms, workload_module
+from tvm_deform.runtime.records import (
+    databases,
+    forget_databases,
+    is_database,
+    open_database,
+    pack_database,
+    record_ms,
+    workload_module,
+)
 from tvm_deform.tools.tuning import KEEP_PER_WORKLOAD, database
 
 #: a measurement at or above this (milliseconds) is MetaSchedule's mark of a failed run
@@ -32,15 +40,11 @@ FAILED_MS = 1e9
 
 def hardware_keys(root: Path) -> list[str]:
     """The hardware keys (``llvm/znver4``, ``cuda/sm_90``) a log tree holds."""
-    found = {
-        space.parent.relative_to(root).as_posix()
-        for space in (d.parent for d in root.glob("*/*/*/database_workload.json"))
-    }
-    return sorted(found)
+    return sorted({space.parent.relative_to(root).as_posix() for space in databases(root)})
 
 
 def _spaces(key_dir: Path) -> list[str]:
-    return sorted(d.name for d in key_dir.glob("*") if (d / "database_workload.json").exists())
+    return sorted(d.name for d in key_dir.glob("*") if is_database(d))
 
 
 def _read_json(path: Path) -> dict:
@@ -59,9 +63,9 @@ def _merge_space(
     modules: dict[int, tvm.IRModule] = {}
     for source in sources:
         directory = source / key / space
-        if not (directory / "database_workload.json").exists():
+        if not is_database(directory):
             continue
-        db = ms.database.JSONDatabase(work_dir=str(directory), allow_missing=False)
+        db = open_database(directory)
         for record in db.get_all_tuning_records():
             run_ms = record_ms(record)
             if run_ms is None or run_ms >= FAILED_MS:
@@ -84,6 +88,7 @@ def _merge_space(
                 )
             )
         best[workload] = (kept[0][0], kept[0][2])
+    pack_database(out_dir)
     return best
 
 

@@ -6,6 +6,10 @@ Layout of a tuning directory (the work directory, or the shipped ``tuning_logs``
     <root>/<hardware key>/<space>/database_tuning_record.json
     <root>/<hardware key>/manifest.json
 
+In the pruned logs the workload file is gzipped (``database_workload.json.gz``, see
+:func:`tvm_deform.runtime.records.open_database`); the work directory keeps MetaSchedule's own
+files.
+
 One database per hardware key and per design space: MetaSchedule's database ignores the target
 when it answers a query, so databases of different machines are never merged, and keeping the
 spaces apart lets the dispatcher and ``tvm-deform info`` say which space a record came from.
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gzip
 import json
 import multiprocessing
 import os
@@ -40,11 +45,16 @@ from tvm_deform.runtime import kernels, targets
 from tvm_deform.runtime.records import (
     DEFAULT_SPACE,
     OPS,
+    PACKED_WORKLOADS,
+    WORKLOADS,
     best_in,
     candidate_keys,
     find_records,
     forget_databases,
+    is_database,
     log_roots,
+    open_database,
+    pack_database,
     record_ms,
     workload_module,
 )
@@ -211,9 +221,9 @@ def records(
 ) -> list[ms.database.TuningRecord]:
     """Every valid record of ``shape``'s ``op`` in the database at ``directory``, fastest
     first (read afresh: the files change while tuning)."""
-    if not (directory / "database_workload.json").exists():
+    if not is_database(directory):
         return []
-    db = ms.database.JSONDatabase(work_dir=str(directory), allow_missing=False)
+    db = open_database(directory)
     mod = workload_module(shape, op)
     if not db.has_workload(mod):
         return []
@@ -224,12 +234,15 @@ def trial_history(directory: Path, shape: ConvShape, op: str = "forward") -> lis
     """The measured time (ms) of every record of ``shape``'s ``op`` in the database at
     ``directory``, in the order they were measured (a failed candidate is ``inf``). A database
     seeded by a transfer tune starts with the other machines' records."""
-    workloads = directory / "database_workload.json"
-    if not workloads.exists():
+    if (directory / WORKLOADS).exists():
+        text = (directory / WORKLOADS).read_text()
+    elif (directory / PACKED_WORKLOADS).exists():
+        text = gzip.decompress((directory / PACKED_WORKLOADS).read_bytes()).decode()
+    else:
         return []
     mod = workload_module(shape, op)
     index = None
-    for number, line in enumerate(workloads.read_text().splitlines()):
+    for number, line in enumerate(text.splitlines()):
         workload = ms.database.Workload.from_json(json.loads(line))
         if tvm_ffi.structural_equal(workload.mod, mod):
             index = number
@@ -513,17 +526,13 @@ def write_pruned_logs(
     manifest.setdefault("workloads", {})
     for space in spaces:
         source = Path(work_dir) / key / space
-        if not (source / "database_workload.json").exists():
+        if not is_database(source):
             continue
-        src_db = ms.database.JSONDatabase(work_dir=str(source), allow_missing=False)
+        src_db = open_database(source)
         out_dir = out_root / space
         tmp_dir = out_root / f".{space}.tmp"
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        previous = (
-            ms.database.JSONDatabase(work_dir=str(out_dir), allow_missing=False)
-            if (out_dir / "database_workload.json").exists()
-            else None
-        )
+        previous = open_database(out_dir) if is_database(out_dir) else None
         out_db = database(tmp_dir)
         kept_modules = []
         for (name, shape), op in ((item, op) for item in workloads.items() for op in ops):
@@ -560,6 +569,7 @@ def write_pruned_logs(
                     )
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(tmp_dir, out_dir)
+        pack_database(out_dir)
     manifest.update(
         {
             "hardware_key": key,
