@@ -33,7 +33,7 @@ from tvm.target import Target
 from tvm_deform import __version__, env, schedules
 from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape
-from tvm_deform.runtime import launcher, records
+from tvm_deform.runtime import launcher, records, workspace
 from tvm_deform.runtime.targets import (
     hardware_key,
     host_target,
@@ -322,19 +322,28 @@ def _load_module(
     global _tvm_pool_in_use
     module = _load_cached(path) if env.cache_enabled() else None
     if module is not None:
-        attached = launcher.attach(path)
+        attached = _attach(path, module)
     else:
         built = compile_module()
         if env.cache_enabled():
             _store_cached(built, path)
             module = _load_cached(path)
         if module is not None:
-            attached = launcher.attach(path)
+            attached = _attach(path, module)
         else:
             module, attached = _load_private(built, path.name)
     if not attached:
         _tvm_pool_in_use = True
     return module
+
+
+def _attach(path: Path, module: tvm.runtime.Module) -> bool:
+    """Attach the kernel library at ``path`` (loaded as ``module``): its CUDA workspaces to
+    torch's caching allocator (see :mod:`tvm_deform.runtime.workspace`), its parallel loops to
+    torch's threads; returns whether the latter took."""
+    if any(imported.kind == "cuda" for imported in module.imports):
+        workspace.attach(path)
+    return launcher.attach(path)
 
 
 def _load_private(built: tvm.runtime.Module, name: str) -> tuple[tvm.runtime.Module, bool]:
@@ -356,7 +365,7 @@ def _load_private(built: tvm.runtime.Module, name: str) -> tuple[tvm.runtime.Mod
             )
             return built, False
         # Attached while the file exists: dlopen finds the loaded library by its path.
-        return module, launcher.attach(path)
+        return module, _attach(path, module)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 

@@ -36,6 +36,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -138,23 +139,29 @@ def _compile_commands(output: Path) -> list[list[str]]:
 
 
 def _build() -> Path:
-    source = SOURCE.read_bytes()
+    return build_library(SOURCE, _compile_commands)
+
+
+def build_library(source_path: Path, commands: Callable[[Path], list[list[str]]]) -> Path:
+    """The shared library built from the C++ file ``source_path`` by ``commands(output)``, once
+    per source and torch installation, kept in the kernel cache directory."""
+    source = source_path.read_bytes()
     torch_dir = str(Path(torch.__file__).parent)
     key = "\n".join((torch.__version__, torch_dir, os.environ.get("CXX", "")))
     digest = hashlib.sha256(source + key.encode()).hexdigest()[:16]
     # Beside the kernels, in a folder of its own (the kernel files are the cache's top level).
     directory = env.cache_dir() / "launcher" if env.cache_enabled() else Path(tempfile.mkdtemp())
-    path = directory / f"launcher-{digest}.so"
+    path = directory / f"{source_path.stem}-{digest}.so"
     if path.exists():
         return path
     directory.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
     os.close(handle)
     try:
-        for command in _compile_commands(Path(temporary)):
+        for command in commands(Path(temporary)):
             result = subprocess.run(command, capture_output=True, text=True, timeout=300)
             if result.returncode != 0:
-                raise RuntimeError(f"building {SOURCE.name} failed:\n{result.stderr[-2000:]}")
+                raise RuntimeError(f"building {source_path.name} failed:\n{result.stderr[-2000:]}")
         os.replace(temporary, path)
     finally:
         for leftover in (temporary, str(Path(temporary).with_suffix(".o"))):
@@ -173,9 +180,9 @@ def attach(library_path: str | os.PathLike) -> bool:
         return False
     # dlopen of a file already loaded returns the same handle, hence TVM's copy of the variable.
     library = ctypes.CDLL(str(library_path))
-    if _has_symbol(library, BARRIER_SYMBOL):
+    if has_symbol(library, BARRIER_SYMBOL):
         return False
-    if _has_symbol(library, LAUNCH_SYMBOL):
+    if has_symbol(library, LAUNCH_SYMBOL):
         ctypes.c_void_p.in_dll(library, LAUNCH_SYMBOL).value = launcher.address
     return True
 
@@ -183,12 +190,12 @@ def attach(library_path: str | os.PathLike) -> bool:
 def launch_target(library_path: str | os.PathLike) -> int | None:
     """The address the library's launch variable holds now (for tests)."""
     library = ctypes.CDLL(str(library_path))
-    if not _has_symbol(library, LAUNCH_SYMBOL):
+    if not has_symbol(library, LAUNCH_SYMBOL):
         return None
     return ctypes.c_void_p.in_dll(library, LAUNCH_SYMBOL).value
 
 
-def _has_symbol(library: ctypes.CDLL, name: str) -> bool:
+def has_symbol(library: ctypes.CDLL, name: str) -> bool:
     try:
         getattr(library, name)
     except AttributeError:

@@ -197,7 +197,7 @@ def run_compare(args: argparse.Namespace) -> int:
 def run_info(args: argparse.Namespace) -> int:
     import tvm
 
-    from tvm_deform.runtime import dispatch, hardware, launcher, records
+    from tvm_deform.runtime import dispatch, hardware, launcher, records, workspace
 
     cpu = hardware.detect()
     target = targets.host_target()
@@ -217,6 +217,12 @@ def run_info(args: argparse.Namespace) -> int:
     else:
         pool = f"TVM's own pool: the launcher could not be built ({launcher.unavailable_reason})"
     print(f"thread pool:   {pool}")
+    if torch.version.cuda is not None:
+        allocator = workspace.get()
+        if allocator is not None:
+            print(f"CUDA scratch:  torch's caching allocator (shim {allocator.path})")
+        else:
+            print(f"CUDA scratch:  TVM's workspace pool ({workspace.unavailable_reason})")
     print(f"threads:       {torch.get_num_threads()} (torch.get_num_threads)")
     cache = env.cache_dir()
     print(f"kernel cache:  {cache} ({'on' if env.cache_enabled() else 'off'})")
