@@ -246,8 +246,10 @@ def test_package_data_is_installed(tmp_path):
         assert f"tvm_deform/schedules/{schedule}" in names
     for space in ("handwritten", "generic", "default"):
         assert f"tvm_deform/tuning_logs/llvm/znver4/{space}/database_tuning_record.json" in names
+        assert f"tvm_deform/tuning_logs/llvm/znver4/{space}/database_workload.json.gz" in names
     for layer in ("ir", "runtime", "binding", "compat", "tools"):
         assert f"tvm_deform/{layer}/__init__.py" in names
     assert "tvm_deform/ir/definition.py" in names
     assert "tvm_deform/runtime/launcher.cc" in names
+    assert "tvm_deform/runtime/workspace.cc" in names
     assert "tvm_deform/tools/suite.json" in names
