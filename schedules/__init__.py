@@ -1,6 +1,7 @@
 """How the kernels are scheduled (installed as ``tvm_deform.schedules``): one module per target
-family (:mod:`.cpu`, :mod:`.cpu_backward`, :mod:`.cuda`), what they share (:mod:`.common`), and
-the registry below, which says which rules schedule which kernel on which kind of target.
+family and kernel (:mod:`.cpu`, :mod:`.cpu_backward`, :mod:`.cuda`, :mod:`.cuda_backward`), what
+they share (:mod:`.common`), and the registry below, which says which rules schedule which
+kernel on which kind of target.
 
 A rule is an object with ``apply(func, target) -> Schedule | None``; None means "not a PrimFunc
 I schedule". The rules of a (kernel, target kind) are tried in order and the first schedule
@@ -13,6 +14,7 @@ from tvm.target import Target
 from tvm_deform.schedules.cpu import DefaultCPU
 from tvm_deform.schedules.cpu_backward import DefaultCPUBackward, DefaultCPUGradInput
 from tvm_deform.schedules.cuda import DefaultCUDA
+from tvm_deform.schedules.cuda_backward import DefaultCUDABackward, DefaultCUDAGradInput
 
 #: (kernel, target kind) -> the default rules, in the order they are tried. The kernels are
 #: those of :mod:`tvm_deform.ir.definition`: "forward", "backward" (every gradient but the
@@ -22,6 +24,8 @@ DEFAULT_RULES = {
     ("forward", "cuda"): (DefaultCUDA,),
     ("backward", "llvm"): (DefaultCPUBackward,),
     ("grad_input", "llvm"): (DefaultCPUGradInput,),
+    ("backward", "cuda"): (DefaultCUDABackward,),
+    ("grad_input", "cuda"): (DefaultCUDAGradInput,),
 }
 
 

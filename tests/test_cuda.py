@@ -166,10 +166,85 @@ def test_cuda_errors_are_clear():
     args = make_inputs(CONFIGS[1], torch.float32)
     with pytest.raises(ValueError, match="device"):
         deform_conv2d(args["input"].cuda(), args["offset"], args["weight"])
-    data = args["input"].cuda().requires_grad_()
-    out = deform_conv2d(data, args["offset"].cuda(), args["weight"].cuda())
-    with pytest.raises(NotImplementedError, match="backward"):
-        out.sum().backward()
+
+
+@needs_gpu
+@pytest.mark.parametrize("cfg", CONFIGS[:6], ids=[f"cfg{i}" for i in range(6)])
+def test_cuda_gradients_match_torchvision_and_repeat_exactly(cfg):
+    args = make_inputs(cfg, torch.float32)
+    names = [n for n in ("input", "offset", "weight", "bias", "mask") if args[n] is not None]
+    results = []
+    for fn in (deform_conv2d, deform_conv2d, torchvision.ops.deform_conv2d):
+        leaves = {n: args[n].cuda().requires_grad_() for n in names}
+        out = fn(**(args | leaves))
+        results.append(torch.autograd.grad(out, list(leaves.values()), torch.ones_like(out)))
+    first, second, theirs = results
+    for name, a, b, c in zip(names, first, second, theirs, strict=True):
+        assert torch.equal(a, b), f"grad_{name} differs between two runs"
+        assert_close(a.cpu(), c.cpu(), 2e-5, f"grad_{name}")
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[:8], ids=[f"cfg{i}" for i in range(8)])
+def test_emulated_cuda_backward_matches_torchvision(cfg):
+    """The CUDA backward schedules' structure, without the thread bindings, run on the CPU:
+    every gradient against torchvision's."""
+    from tvm_deform.schedules.cuda_backward import DefaultCUDABackward, DefaultCUDAGradInput
+
+    from tvm_deform.binding.ops import run_backward
+    from tvm_deform.runtime.kernels import BackwardKernels
+
+    shape = shape_of(cfg)
+    target = targets.host_target()
+    gradients = DefaultCUDABackward(emulate=True).apply(definition.backward(shape), target)
+    scatter = DefaultCUDAGradInput(emulate=True).apply(definition.grad_input(shape), target)
+    built = tvm.compile(
+        tvm.IRModule(
+            {
+                "deform_conv2d_backward": gradients.mod["main"].with_attr(
+                    "global_symbol", "deform_conv2d_backward"
+                ),
+                "deform_conv2d_grad_input": scatter.mod["main"],
+            }
+        ),
+        target=target,
+    )
+    compiled = BackwardKernels(built["deform_conv2d_backward"], built["deform_conv2d_grad_input"])
+    args = make_inputs(cfg, torch.float32)
+    grad_output = torch.randn(torchvision.ops.deform_conv2d(**args).shape, dtype=torch.float32)
+    ours = run_backward(
+        shape,
+        grad_output,
+        args["input"],
+        args["offset"],
+        args["weight"],
+        args["mask"],
+        compiled,
+    )
+    names = ["input", "offset", "weight", "bias", "mask"]
+    leaves = {n: args[n].clone().requires_grad_() for n in names if args[n] is not None}
+    out = torchvision.ops.deform_conv2d(**(args | leaves))
+    grads = torch.autograd.grad(out, list(leaves.values()), grad_output)
+    theirs = dict(zip(leaves, grads, strict=True))
+    for name, value in zip(["input", "offset", "mask", "weight", "bias"], ours, strict=True):
+        if name in theirs:
+            assert_close(value, theirs[name], 2e-5, f"grad_{name}")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_cuda_backward_builds_without_atomics(arch):
+    """The backward kernels of a suite layer (every gradient) build for ``arch`` with nvcc,
+    and nothing in them adds atomically (the gradients are the same bits on every run)."""
+    from tvm_deform.runtime import kernels
+
+    built = kernels.compile_backward(SUITE["demo_64x56x56"], targets.cuda_target(arch))
+    source = "\n".join(m.inspect_source("cuda") for m in built.mod.imports if m.kind == "cuda")
+    assert "atomic" not in source
+    machine = cuda_build.nvcc_build(source, arch)
+    assert machine.machine_arch == int(arch.removeprefix("sm_"))
+    assert "deform_conv2d_grad_input_kernel" in machine.kernels
+    assert len(machine.kernels) >= 10  # one kernel per stage of the gradients PrimFunc
+    assert all("spill" not in line or "0 bytes spill" in line for line in machine.kernels.values())
 
 
 def test_gpu_session_steps_run_on_the_cpu(tmp_path):
@@ -184,6 +259,8 @@ def test_gpu_session_steps_run_on_the_cpu(tmp_path):
     # 2 suite layers and 2 check configurations, built in parallel processes
     assert results["build"]["ok"] and results["build"]["value"]["kernels"] == 4
     assert all(c["passed"] for c in results["check"]["value"])
+    assert all(c["same_bits_twice"] for c in results["gradients"]["value"])
+    assert results["gradients"]["ok"]
     assert "time_so_far" not in results
     table = (tmp_path / "gpu_results.md").read_text()
     assert "demo_64x56x56" in table and "speed-up over torchvision" in table

@@ -5,6 +5,7 @@ function."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import tvm_ffi
@@ -79,7 +80,7 @@ def device_target(device: torch.device) -> Target:
 _TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-def run_backward_cpu(
+def run_backward(
     shape: ConvShape,
     grad_output: torch.Tensor,
     input: torch.Tensor,
@@ -99,8 +100,8 @@ def run_backward_cpu(
     ``grad_output``, each computed only when ``output_mask`` asks for it (as in
     ``aten::convolution_backward``) and None otherwise; the mask's is None without a mask, the
     bias's None when ``shape`` has no bias. ``compiled`` (the backward kernels) defaults to the
-    ones dispatch picks for
-    ``shape`` and the gradients asked for."""
+    ones dispatch picks for ``shape``, the tensors' device and the gradients asked for. CUDA
+    kernels run on torch's current stream of the tensors' device."""
     want_input, want_offset, want_mask, want_weight, want_bias = output_mask
     want_mask = want_mask and mask is not None
     want_bias = want_bias and shape.has_bias
@@ -121,9 +122,10 @@ def run_backward_cpu(
         if shape.has_bias:
             grad_bias = (weight.new_zeros if empty else weight.new_empty)(shape.out_channels)
     if not empty and gradients != definition.Gradients(False, False, False):
-        compiled = compiled or kernels.get_backward(shape, gradients=gradients)
-        kernels.configure_threads(torch.get_num_threads())
-        _run_backward_kernels(
+        target = device_target(input.device)
+        compiled = compiled or kernels.get_backward(shape, target, gradients=gradients)
+        run = functools.partial(
+            _run_backward_kernels,
             shape,
             compiled,
             grad_output,
@@ -134,6 +136,12 @@ def run_backward_cpu(
             gradients,
             (grad_input, grad_offset, grad_mask, grad_weight, grad_bias),
         )
+        if input.device.type == "cuda":
+            with torch.cuda.device(input.device), tvm_ffi.use_torch_stream():
+                run()
+        else:
+            kernels.configure_threads(torch.get_num_threads())
+            run()
     return (
         grad_input,
         grad_offset if want_offset else None,
@@ -266,12 +274,12 @@ def _deform_conv2d_backward(
         has_bias,
         (stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, offset_grad_rule),
     )
-    if input.device.type != "cpu":
+    if input.device.type not in ("cpu", "cuda"):
         raise NotImplementedError(
             f"tvm_deform.deform_conv2d has no backward kernels for {input.device.type} tensors "
-            "yet (CPU only in this version; the CUDA op is forward only)"
+            "(CPU and CUDA only)"
         )
-    grads = run_backward_cpu(
+    grads = run_backward(
         shape, grad_output, input, offset, weight, mask, output_mask=_output_mask(output_mask)
     )
     return tuple(g if g is not None else input.new_empty(0) for g in grads)
@@ -443,8 +451,7 @@ def deform_conv2d(
         ValueError: a wrong rank or shape, channels that do not divide into the groups, an empty
             output, a non-positive stride or dilation, a negative padding, or tensors on
             different devices.
-        NotImplementedError: tensors on a device without kernels (other than CPU and CUDA),
-            or gradients of CUDA tensors (the CUDA backward is not written yet).
+        NotImplementedError: tensors on a device without kernels (other than CPU and CUDA).
 
     The ``TypeError`` and ``ValueError`` are also ``RuntimeError`` (as torchvision raises), and
     the sizes are checked before the dtypes, in torchvision's order. Works under ``torch.fx``

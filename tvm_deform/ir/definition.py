@@ -653,13 +653,14 @@ def backward(shape: ConvShape, gradients: Gradients = ALL_GRADIENTS) -> tirx.Pri
     return _prim_func(backward_tensors(shape, gradients), "deform_conv2d_backward")
 
 
-def grad_input(shape: ConvShape) -> tirx.PrimFunc:
+def grad_input(shape: ConvShape, plane_scope: str = "global") -> tirx.PrimFunc:
     """The second backward PrimFunc, ``deform_conv2d_grad_input``: the input's gradient.
 
     Each (n, c) image plane is filled by one block, which adds every sample's gradient
     (``grad_columns`` times the corner coefficient) into the four input pixels it was sampled
     from, in a fixed order (tap, then pixel, then corner), into a plane held in the accumulator
-    dtype. Planes never share memory, so a schedule can run the blocks in parallel without
+    dtype (in memory of ``plane_scope``: "local" on a GPU, where each thread fills its own
+    plane). Planes never share memory, so a schedule can run the blocks in parallel without
     atomics and the result is bit-identical from run to run.
 
     Arguments: grad_columns, sample_rows, sample_cols, sample_coef (written by
@@ -700,7 +701,7 @@ def grad_input(shape: ConvShape) -> tirx.PrimFunc:
                     sample_coef[vn, vc // per_group, 0:taps, 0:4, 0:pixels],
                 )
                 T.writes(grad_input[vn, vc, 0:h_, 0:w_])
-                plane = T.sblock_alloc_buffer((h_, w_), acc)
+                plane = T.sblock_alloc_buffer((h_, w_), acc, scope=plane_scope)
                 for y, x in T.grid(h_, w_):
                     plane[y, x] = T.cast(0, acc)
                 for k, p in T.grid(taps, pixels):

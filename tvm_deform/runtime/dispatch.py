@@ -174,9 +174,7 @@ def _runner(
     grad_output = torch.randn(
         shape.batch, shape.out_channels, shape.out_h, shape.out_w, dtype=x.dtype
     )
-    return lambda: ops.run_backward_cpu(
-        shape, grad_output, x, offset, weight, mask, backward_kernels
-    )
+    return lambda: ops.run_backward(shape, grad_output, x, offset, weight, mask, backward_kernels)
 
 
 def _logs_key(shape: ConvShape, op: str, options: dict[str, records.TunedRecord | None]) -> str:

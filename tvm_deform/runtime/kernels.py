@@ -179,10 +179,17 @@ def compile_backward(
             "global_symbol", "deform_conv2d_backward"
         )
     }
+    cuda = target.kind.name == "cuda"
     if gradients.input:
-        scatter = schedules.apply_default("grad_input", definition.grad_input(shape), target)
+        # On a GPU each thread fills its own image plane, in local memory.
+        func = definition.grad_input(shape, plane_scope="local" if cuda else "global")
+        scatter = schedules.apply_default("grad_input", func, target)
         functions["deform_conv2d_grad_input"] = scatter.mod["main"]
-    return tvm.compile(tvm.IRModule(functions), target=target)
+    if cuda:
+        # Registers TVM's CUDA compiler callback (NVRTC, or nvcc with TVM_CUDA_COMPILE_MODE).
+        importlib.import_module("tvm.support.nvcc")
+    with target:
+        return tvm.compile(tvm.IRModule(functions), target=target)
 
 
 def _load_cached(path: Path) -> tvm.runtime.Module | None:

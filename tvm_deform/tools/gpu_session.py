@@ -14,8 +14,9 @@ call cut short keeps what was done; the exit code is non-zero if any step failed
 3. build: every kernel the later steps run (the suite and the checks' configurations, in each
    dtype), compiled in parallel processes into the kernel cache;
 4. check: random configurations against torchvision's CUDA ``deform_conv2d`` (float32, and
-   float16/bfloat16 against float32 on the upcast inputs), and a CUDA-graph capture on a side
-   stream (fails if a kernel leaves torch's current stream or the host synchronises);
+   float16/bfloat16 against float32 on the upcast inputs), the five gradients of a few against
+   torchvision's and repeated to the bit, and a CUDA-graph capture on a side stream (fails if a
+   kernel leaves torch's current stream or the host synchronises);
 5. tune: the suite in MetaSchedule's generic CUDA space, ``--trials`` each, within
    ``--tune-seconds``; the pruned logs go to ``OUT/tuning_logs_cuda.tar.gz`` (``cuda/<arch>/``,
    to be checked into ``tuning_logs/``), and the timing then runs the tuned kernels too;
@@ -99,6 +100,36 @@ def check_correctness(device: str, count: int = 24, seed: int = 0) -> list[dict]
                     "passed": error <= TOLERANCE[str(dtype).removeprefix("torch.")],
                 }
             )
+    return results
+
+
+def check_gradients(device: str, count: int = 4, seed: int = 1) -> list[dict]:
+    """The five gradients of our op against torchvision's on ``device`` for ``count`` random
+    float32 configurations, and whether two runs of ours give the same bits."""
+    import torchvision.ops
+
+    names = ("input", "offset", "weight", "bias", "mask")
+    results = []
+    for index, shape in enumerate(check_shapes(count, seed)):
+        args = _inputs(shape, device, torch.float32, seed=index)
+        present = [n for n in names if args[n] is not None]
+        runs = []
+        for fn in (deform_conv2d, deform_conv2d, torchvision.ops.deform_conv2d):
+            leaves = {n: args[n].detach().clone().requires_grad_() for n in present}
+            out = fn(**(args | leaves))
+            runs.append(torch.autograd.grad(out, list(leaves.values()), torch.ones_like(out)))
+        errors = {
+            n: relative_error(a, c) for n, a, c in zip(present, runs[0], runs[2], strict=True)
+        }
+        repeat = all(torch.equal(a, b) for a, b in zip(runs[0], runs[1], strict=True))
+        results.append(
+            {
+                "shape": dataclasses.asdict(shape),
+                "errors": errors,
+                "same_bits_twice": repeat,
+                "passed": repeat and max(errors.values()) <= 2e-5,
+            }
+        )
     return results
 
 
@@ -354,6 +385,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if checks:
         failed = [c for c in checks if not c["passed"]]
         print(f"   {len(checks) - len(failed)}/{len(checks)} checks passed")
+    step(
+        "gradients",
+        lambda: check_gradients(args.device),
+        lambda value: all(c["passed"] for c in value),
+    )
     if cuda:
         step("stream", lambda: check_stream_capture(suite["demo_64x56x56"]), lambda v: v is True)
     if cuda and args.trials > 0:
