@@ -18,6 +18,7 @@ A missing or corrupt log directory is skipped with a warning, never an exception
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import gzip
@@ -103,10 +104,22 @@ def databases(root: Path) -> list[Path]:
     return sorted(found)
 
 
+def read_workloads(directory: Path) -> str | None:
+    """The text of the workload file of the database at ``directory``, packed or not (None
+    when there is none)."""
+    directory = Path(directory)
+    if (directory / WORKLOADS).exists():
+        return (directory / WORKLOADS).read_text()
+    if (directory / PACKED_WORKLOADS).exists():
+        return gzip.decompress((directory / PACKED_WORKLOADS).read_bytes()).decode()
+    return None
+
+
 def open_database(directory: Path) -> ms.database.JSONDatabase:
-    """The database at ``directory``. A packed one is read from an unpacked copy in the kernel
-    cache directory (``logs/<digest of its files>``; a temporary directory when that is not
-    writable), so MetaSchedule reads it as usual; writes to it do not reach ``directory``."""
+    """The database at ``directory``. A packed one is read from an unpacked copy, kept per
+    content digest in the kernel cache directory (``logs/<digest>``), or for this process only
+    when the cache is off or not writable, so MetaSchedule reads it as usual; writes to it do
+    not reach ``directory``."""
     directory = Path(directory)
     if (directory / WORKLOADS).exists():
         return ms.database.JSONDatabase(work_dir=str(directory), allow_missing=False)
@@ -114,11 +127,7 @@ def open_database(directory: Path) -> ms.database.JSONDatabase:
     tuning = directory / TUNING_RECORDS
     tuning_bytes = tuning.read_bytes() if tuning.exists() else b""
     digest = hashlib.sha256(packed + b"\0" + tuning_bytes).hexdigest()[:20]
-    try:
-        copy = env.cache_dir() / "logs" / digest
-        copy.parent.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        copy = Path(tempfile.mkdtemp(prefix="tvm_deform_logs_")) / digest
+    copy = _unpacked_root() / digest
     if not (copy / WORKLOADS).exists():
         staging = Path(tempfile.mkdtemp(dir=copy.parent, prefix=f".{digest}."))
         (staging / WORKLOADS).write_bytes(gzip.decompress(packed))
@@ -128,6 +137,26 @@ def open_database(directory: Path) -> ms.database.JSONDatabase:
         except OSError:  # another process unpacked it first
             shutil.rmtree(staging, ignore_errors=True)
     return ms.database.JSONDatabase(work_dir=str(copy), allow_missing=False)
+
+
+def _unpacked_root() -> Path:
+    """Where unpacked copies of packed databases go: the kernel cache's ``logs`` folder, or,
+    when the cache is off or cannot be written, a temporary folder removed at exit."""
+    if env.cache_enabled():
+        try:
+            root = env.cache_dir() / "logs"
+            root.mkdir(parents=True, exist_ok=True)
+            return root
+        except OSError:
+            pass
+    return _process_scratch()
+
+
+@functools.cache
+def _process_scratch() -> Path:
+    root = Path(tempfile.mkdtemp(prefix="tvm_deform_logs_"))
+    atexit.register(shutil.rmtree, root, True)
+    return root
 
 
 def pack_database(directory: Path) -> None:

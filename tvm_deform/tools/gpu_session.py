@@ -467,9 +467,7 @@ def build_kernels(shapes: list[ConvShape], device: str, workers: int | None = No
         for future in concurrent.futures.as_completed(futures):
             error = future.exception()
             if error is not None:
-                failures[targets.workload_key(futures[future], targets.host_target())] = repr(
-                    error
-                )[:300]
+                failures[str(futures[future])] = repr(error)[:300]
     if failures:
         raise RuntimeError(f"{len(failures)} of {len(unique)} kernels did not build: {failures}")
     return {"kernels": len(unique), "workers": workers, "seconds": time.monotonic() - began}

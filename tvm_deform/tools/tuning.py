@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import gzip
 import json
 import multiprocessing
 import os
@@ -45,8 +44,6 @@ from tvm_deform.runtime import kernels, targets
 from tvm_deform.runtime.records import (
     DEFAULT_SPACE,
     OPS,
-    PACKED_WORKLOADS,
-    WORKLOADS,
     best_in,
     candidate_keys,
     find_records,
@@ -55,6 +52,7 @@ from tvm_deform.runtime.records import (
     log_roots,
     open_database,
     pack_database,
+    read_workloads,
     record_ms,
     workload_module,
 )
@@ -234,11 +232,8 @@ def trial_history(directory: Path, shape: ConvShape, op: str = "forward") -> lis
     """The measured time (ms) of every record of ``shape``'s ``op`` in the database at
     ``directory``, in the order they were measured (a failed candidate is ``inf``). A database
     seeded by a transfer tune starts with the other machines' records."""
-    if (directory / WORKLOADS).exists():
-        text = (directory / WORKLOADS).read_text()
-    elif (directory / PACKED_WORKLOADS).exists():
-        text = gzip.decompress((directory / PACKED_WORKLOADS).read_bytes()).decode()
-    else:
+    text = read_workloads(directory)
+    if text is None:
         return []
     mod = workload_module(shape, op)
     index = None
