@@ -5,7 +5,8 @@ kernel on which kind of target.
 
 A rule is an object with ``apply(func, target) -> Schedule | None``; None means "not a PrimFunc
 I schedule". The rules of a (kernel, target kind) are tried in order and the first schedule
-wins, as TVM's dlight does with its rule lists."""
+wins, as TVM's dlight does with its rule lists. :func:`forward_schedule` is the forward's default
+schedule, tensor cores included (:mod:`.cuda_tensor_core`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ from tvm_deform.schedules.cpu import DefaultCPU
 from tvm_deform.schedules.cpu_backward import DefaultCPUBackward, DefaultCPUGradInput
 from tvm_deform.schedules.cuda import DefaultCUDA
 from tvm_deform.schedules.cuda_backward import DefaultCUDABackward, DefaultCUDAGradInput
+from tvm_deform.schedules.cuda_tensor_core import MIN_ARCH as TENSOR_CORE_MIN_ARCH
+from tvm_deform.schedules.cuda_tensor_core import TensorCoreCUDA
+
+from tvm_deform.ir import definition
+from tvm_deform.ir.definition import ConvShape
 
 #: (kernel, target kind) -> the default rules, in the order they are tried. The kernels are
 #: those of :mod:`tvm_deform.ir.definition`: "forward", "backward" (every gradient but the
@@ -40,3 +46,17 @@ def apply_default(kernel: str, func: tirx.PrimFunc, target: Target) -> s_tir.Sch
         if sch is not None:
             return sch
     raise RuntimeError(f"no {kernel} schedule applies to this {target.kind.name} PrimFunc")
+
+
+def forward_schedule(shape: ConvShape, target: Target, layout: str = "NCHW") -> s_tir.Schedule:
+    """The default schedule of ``shape``'s forward for ``target``. On a GPU, a float16 or
+    bfloat16 layer that the tensor-core rule takes runs on tensor cores: the rule schedules the
+    definition whose sampled columns are rounded to the layer's dtype (what a tensor core
+    multiplies; float32 accumulation either way). Any other layer gets the first default rule
+    of the plain definition. float32 never runs on tensor cores (no TF32)."""
+    if target.kind.name == "cuda" and shape.dtype in TENSOR_CORE_MIN_ARCH:
+        func = definition.forward(shape, layout, column_dtype=shape.dtype)
+        sch = TensorCoreCUDA().apply(func, target)
+        if sch is not None:
+            return sch
+    return apply_default("forward", definition.forward(shape, layout), target)

@@ -3,6 +3,7 @@ GPU tests that run where torch sees one."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -18,6 +19,7 @@ from inputs import CONFIGS, make_inputs, shape_of
 from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
 from tvm_deform.schedules.cuda import DefaultCUDA
+from tvm_deform.schedules.cuda_tensor_core import TensorCoreCUDA
 
 from tvm_deform import deform_conv2d
 from tvm_deform.binding.ops import run_forward
@@ -128,6 +130,96 @@ def test_emulated_cuda_schedule_on_a_depthwise_suite_layer():
         emulated_kernel(shape),
     )
     assert_close(ours, torchvision.ops.deform_conv2d(**args), 1e-6)
+
+
+#: layers the tensor-core rule takes (ungrouped; output channels, padded pixels and
+#: in_channels x taps multiples of 16): batch 2 with offset groups and a bias, a strided one,
+#: and a 1x3 DCNv1 layer with 3 offset groups
+TENSOR_CORE_CONFIGS = [
+    dict(n=2, c=32, h=9, w=9, o=32, kh=3, kw=3, stride=(1, 1), padding=(1, 1),
+         dilation=(1, 1), groups=1, offset_groups=2, use_mask=True, use_bias=True),
+    dict(n=1, c=16, h=20, w=20, o=48, kh=3, kw=3, stride=(2, 2), padding=(1, 1),
+         dilation=(1, 1), groups=1, offset_groups=1, use_mask=True, use_bias=False),
+    dict(n=3, c=48, h=8, w=24, o=16, kh=1, kw=3, stride=(1, 1), padding=(0, 1),
+         dilation=(1, 1), groups=1, offset_groups=3, use_mask=False, use_bias=True),
+]  # fmt: skip
+HALF_TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("cfg", TENSOR_CORE_CONFIGS, ids=["batch2", "strided", "dcnv1_1x3"])
+def test_emulated_tensor_core_schedule_matches_torchvision(cfg, dtype):
+    """The tensor-core schedule's structure (matrix form, fragment tiling, sampling inlined
+    into the shared-memory fill, epilogue), without the bindings and the WMMA instructions, run
+    on the CPU against torchvision on the same rounded inputs, computed in float32."""
+    shape = shape_of(cfg, dtype)
+    func = definition.forward(shape, column_dtype=shape.dtype)
+    sch = TensorCoreCUDA(emulate=True).apply(func, targets.host_target())
+    assert sch is not None, "the rule must take this layer"
+    kernel = tvm.compile(sch.mod, target=targets.host_target())["deform_conv2d"]
+    args = make_inputs(cfg, dtype)
+    ours = run_forward(
+        shape, args["input"], args["offset"], args["weight"], args["bias"], args["mask"], kernel
+    )
+    upcast = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    assert ours.dtype == dtype
+    assert_close(ours, torchvision.ops.deform_conv2d(**upcast), HALF_TOLERANCE[dtype])
+
+
+def test_tensor_core_rule_takes_half_layers_and_leaves_the_rest():
+    from tvm_deform import schedules
+
+    demo = SUITE["demo_64x56x56"]
+    sm_90, sm_75 = targets.cuda_target("sm_90"), targets.cuda_target("sm_75")
+
+    def on_tensor_cores(shape: ConvShape, target) -> bool:
+        return "wmma" in schedules.forward_schedule(shape, target).mod.script()
+
+    for dtype in ("float16", "bfloat16"):
+        assert on_tensor_cores(dataclasses.replace(demo, dtype=dtype), sm_90)
+        # grouped, and a reduction (3 channels x 9 taps) that is not a multiple of 16
+        assert not on_tensor_cores(
+            dataclasses.replace(SUITE["depthwise_128x56x56"], dtype=dtype), sm_90
+        )
+        assert not on_tensor_cores(dataclasses.replace(SUITE["seed"], dtype=dtype), sm_90)
+    # float16 WMMA exists from sm_70, bfloat16 from sm_80
+    assert on_tensor_cores(dataclasses.replace(demo, dtype="float16"), sm_75)
+    assert not on_tensor_cores(dataclasses.replace(demo, dtype="bfloat16"), sm_75)
+    # float32 stays float32 (no TF32), and a CPU target never sees the rule
+    assert not on_tensor_cores(demo, sm_90)
+    assert (
+        TensorCoreCUDA().apply(
+            definition.forward(dataclasses.replace(demo, dtype="float16"), column_dtype="float16"),
+            targets.host_target(),
+        )
+        is None
+    )
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tensor_core_kernels_build_to_mma_instructions(arch, dtype):
+    """A half-precision suite layer's CUDA kernels build with nvcc, and the GEMM's PTX
+    multiplies on tensor cores: m16n16k16 WMMA with float32 accumulators."""
+    shape = dataclasses.replace(SUITE["r50dcn320_c4_256x20x20"], dtype=dtype)
+    source = cuda_build.cuda_source(shape, arch)
+    built = cuda_build.nvcc_build(source, arch)
+    assert built.machine_arch == int(arch.removeprefix("sm_"))
+    assert all("spill" not in line or "0 bytes spill" in line for line in built.kernels.values())
+    ptx = cuda_build.nvcc_ptx(source, arch)
+    inputs = "f16" if dtype == "float16" else "bf16"
+    mma = set(re.findall(r"wmma\.mma\.sync\.aligned\.[\w.]+", ptx))
+    # PTX names the float16 form by its accumulators only (".f32.f32"), bfloat16 in full.
+    expected = "f32.f32" if dtype == "float16" else f"f32.{inputs}.{inputs}.f32"
+    assert mma and all(m.startswith("wmma.mma.sync.aligned.row.col.m16n16k16.") for m in mma)
+    assert all(m.endswith(expected) for m in mma), mma
+
+
+@needs_nvcc
+def test_float32_cuda_kernels_use_no_tensor_cores():
+    ptx = cuda_build.nvcc_ptx(cuda_build.cuda_source(SUITE["demo_64x56x56"], "sm_90"), "sm_90")
+    assert "wmma" not in ptx and "mma.sync" not in ptx
 
 
 def test_build_command_writes_sources(tmp_path, capsys):

@@ -141,3 +141,50 @@ def test_autocast_computes_in_float32_and_returns_the_input_dtype():
     assert result.dtype == torch.bfloat16
     result.float().sum().backward()
     assert low.grad is not None and low.grad.dtype == torch.bfloat16
+
+
+def test_plain_calls_skip_the_dispatcher_with_the_same_result():
+    from tvm_deform.binding import ops
+
+    x, offset, mask, layer = layer_inputs(torch.float32, batch=2)
+    weight, bias = layer.weight.detach(), layer.bias.detach()
+    args = (x, offset, weight, bias, mask)
+    assert ops._dispatcher_adds_nothing(args)
+    direct = deform_conv2d(x, offset, weight, bias, (2, 1), (1, 0), (2, 1), mask)
+    through = torch.ops.tvm_deform.deform_conv2d(*args, 2, 1, 1, 0, 2, 1)
+    assert torch.equal(direct, through)
+
+
+def test_calls_that_need_the_dispatcher_go_through_it():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.profiler import profile
+
+    from tvm_deform.binding import ops
+
+    x, offset, mask, layer = layer_inputs(torch.float32, batch=2)
+    args = (x, offset, layer.weight, layer.bias, mask)
+    # autograd must record the op
+    assert not ops._dispatcher_adds_nothing(args)
+    with torch.no_grad():
+        assert ops._dispatcher_adds_nothing(args)  # an nn.Parameter is a plain tensor
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not ops._dispatcher_adds_nothing(args)
+        with FakeTensorMode():
+            assert not ops._dispatcher_adds_nothing(args)
+        meta = tuple(t.to("meta") for t in args)
+        assert not ops._dispatcher_adds_nothing(meta)
+        in_vmap = torch.func.vmap(lambda t: torch.tensor(ops._dispatcher_adds_nothing((t,))))(x)
+        assert not in_vmap.any()
+        with profile() as prof:
+            deform_conv2d(x, offset, layer.weight, layer.bias, (2, 1), (1, 0), (2, 1), mask)
+        assert "tvm_deform::deform_conv2d" in {event.name for event in prof.events()}
+
+        weight, bias = layer.weight.detach(), layer.bias.detach()
+
+        def call(x, offset, mask):
+            return deform_conv2d(x, offset, weight, bias, (2, 1), (1, 0), (2, 1), mask)
+
+        traced = torch.jit.trace(call, (x, offset, mask), check_trace=False)
+        assert "tvm_deform::deform_conv2d" in str(traced.graph)
+    out = deform_conv2d(x, offset, layer.weight, layer.bias, (2, 1), (1, 0), (2, 1), mask)
+    assert out.grad_fn is not None

@@ -221,10 +221,16 @@ def _deform_conv2d(
     dilation_w: int,
     offset_grad_rule: str = "torchvision",
 ) -> torch.Tensor:
+    geometry = (stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w)
+    return _forward(input, offset, weight, bias, mask, *geometry, offset_grad_rule=offset_grad_rule)
+
+
+def _forward(
+    input, offset, weight, bias, mask, *params: int, offset_grad_rule: str = "torchvision"
+) -> torch.Tensor:
+    """The op's CPU/CUDA implementation: check the arguments, run the kernel."""
     _checked_rule(offset_grad_rule)
-    shape = _op_shape(
-        input, offset, weight, bias, mask, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w
-    )
+    shape = _op_shape(input, offset, weight, bias, mask, *params)
     if input.device.type not in ("cpu", "cuda"):
         raise NotImplementedError(
             f"tvm_deform.deform_conv2d has no kernel for {input.device.type} tensors "
@@ -494,7 +500,40 @@ def _checked_call(
     for tensor in tensors:
         if tensor is not None and not isinstance(tensor, (torch.Tensor, torch.fx.Proxy)):
             _op_shape(*tensors, *geometry)  # raises, naming the argument
+    if _dispatcher_adds_nothing(tensors):
+        return _forward(*tensors, *geometry, offset_grad_rule=offset_grad_rule)
     return torch.ops.tvm_deform.deform_conv2d(*tensors, *geometry, offset_grad_rule)
+
+
+#: the tensor types whose calls may skip the dispatcher (not subclasses, fakes or proxies)
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _dispatcher_adds_nothing(tensors: tuple) -> bool:
+    """Whether torch's dispatcher would do nothing for this call but run the op's CPU/CUDA
+    implementation, which the call then runs directly. Going through the custom op's Python
+    layers costs about 15 us a call, half of a small layer's time. It is so for plain CPU or
+    CUDA tensors when autograd records nothing, autocast is off, and nothing watches or
+    transforms ops: no torch.compile or jit tracing, no function or dispatch mode (fake
+    tensors), no functorch transform (vmap, grad), no profiler (which should see the op)."""
+    input = tensors[0]
+    if type(input) not in _PLAIN_TENSORS or input.device.type not in ("cpu", "cuda"):
+        return False
+    grad = torch.is_grad_enabled()
+    for tensor in tensors:
+        if tensor is not None and (
+            type(tensor) not in _PLAIN_TENSORS or (grad and tensor.requires_grad)
+        ):
+            return False
+    return not (
+        torch.is_autocast_enabled(input.device.type)
+        or torch.compiler.is_compiling()
+        or torch._C._get_tracing_state() is not None
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._len_torch_dispatch_stack() > 0
+        or torch._C._functorch.peek_interpreter_stack() is not None
+        or torch.autograd.profiler._is_profiler_enabled
+    )
 
 
 def deform_conv2d_with_offset_grad_rule(

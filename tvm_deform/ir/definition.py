@@ -327,10 +327,16 @@ class _Sampling:
 
 
 def _columns(
-    shape: ConvShape, data: te.Tensor, geometry, padded: int, layout: str = "NCHW"
+    shape: ConvShape,
+    data: te.Tensor,
+    geometry,
+    padded: int,
+    layout: str = "NCHW",
+    dtype: str | None = None,
 ) -> te.Tensor:
     """``columns[n, c, k, p]``: the sampled, masked image (the deformed im2col matrix), from
-    ``data`` in ``layout``."""
+    ``data`` in ``layout``; computed in the accumulator dtype and, with ``dtype``, rounded to
+    it."""
     sample_rows, sample_cols, sample_coef = geometry
     acc = shape.accumulator_dtype
     channels_per_offset_group = shape.in_channels // shape.offset_groups
@@ -343,7 +349,7 @@ def _columns(
             col = sample_cols[n, g, k, q % 2, p]
             value = data[n, row, col, c] if layout == "NHWC" else data[n, c, row, col]
             total = total + sample_coef[n, g, k, q, p] * value.astype(acc)
-        return total
+        return total if dtype is None else total.astype(dtype)
 
     return te.compute((shape.batch, shape.in_channels, shape.taps, padded), column, name="columns")
 
@@ -363,9 +369,11 @@ def _placeholders(shape: ConvShape, layout: str = "NCHW"):
 LAYOUTS = ("NCHW", "NHWC")
 
 
-def forward_tensors(shape: ConvShape, layout: str = "NCHW") -> list[te.Tensor]:
+def forward_tensors(
+    shape: ConvShape, layout: str = "NCHW", column_dtype: str | None = None
+) -> list[te.Tensor]:
     """The TE tensors of the forward op: the inputs (the input in ``layout``) followed by the
-    output."""
+    output. ``column_dtype``: see :func:`forward`."""
     dtype, acc = shape.dtype, shape.accumulator_dtype
     pixels = shape.out_h * shape.out_w
     padded = padded_pixels(pixels)
@@ -374,15 +382,18 @@ def forward_tensors(shape: ConvShape, layout: str = "NCHW") -> list[te.Tensor]:
 
     data, offset, mask, weight, bias = _placeholders(shape, layout)
     sampling = _Sampling(shape, offset, mask)
-    columns = _columns(shape, data, sampling.geometry(select=True), padded, layout)
+    columns = _columns(shape, data, sampling.geometry(select=True), padded, layout, column_dtype)
+
+    def column(n, o, rc, rk, p):
+        value = columns[n, (o // out_per_group) * weight_in + rc, rk, p]
+        return value if column_dtype is None else value.astype(acc)
 
     rc = te.reduce_axis((0, weight_in), name="rc")
     rk = te.reduce_axis((0, shape.taps), name="rk")
     conv = te.compute(
         (shape.batch, shape.out_channels, padded),
         lambda n, o, p: te.sum(
-            weight[o, rc, rk].astype(acc)
-            * columns[n, (o // out_per_group) * weight_in + rc, rk, p],
+            weight[o, rc, rk].astype(acc) * column(n, o, rc, rk, p),
             axis=[rc, rk],
         ),
         name="conv",
@@ -400,7 +411,9 @@ def forward_tensors(shape: ConvShape, layout: str = "NCHW") -> list[te.Tensor]:
     return [*inputs, result]
 
 
-def forward(shape: ConvShape, layout: str = "NCHW") -> tirx.PrimFunc:
+def forward(
+    shape: ConvShape, layout: str = "NCHW", column_dtype: str | None = None
+) -> tirx.PrimFunc:
     """The forward PrimFunc of ``shape``, unscheduled, named ``deform_conv2d``.
 
     Arguments, in order: data, offset, mask (if ``has_mask``), weight, bias (if ``has_bias``),
@@ -408,10 +421,17 @@ def forward(shape: ConvShape, layout: str = "NCHW") -> tirx.PrimFunc:
     "NCHW", or "NHWC" (a ``channels_last`` torch tensor, read in place); the PrimFunc then
     carries the attribute ``data_layout`` so that a schedule knows its channels are contiguous.
     The output is NCHW either way.
+
+    ``column_dtype`` rounds the sampled columns to that dtype before the GEMM, which still
+    multiplies and accumulates in the accumulator dtype: a float16 or bfloat16 layer's columns
+    in its own dtype, as torchvision's CUDA kernel keeps them, is what a tensor core's float16 x
+    float16 -> float32 multiply-add takes. None (the default) keeps them in the accumulator
+    dtype.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    func = _prim_func(forward_tensors(shape, layout), "deform_conv2d")
+    tensors = forward_tensors(shape, layout, column_dtype)
+    func = _prim_func(tensors, "deform_conv2d")
     return func.with_attr("data_layout", layout) if layout != "NCHW" else func
 
 

@@ -128,8 +128,8 @@ def default_schedule(
     if op == "forward":
         if layout != "NCHW" and target.kind.name == "cuda":
             raise NotImplementedError(f"no CUDA schedule for {layout} input")
-        func = definition.forward(shape, layout)
-    elif op == "backward":
+        return schedules.forward_schedule(shape, target, layout)
+    if op == "backward":
         func = definition.backward(shape, gradients)
     else:
         raise NotImplementedError(f"no {op} kernel")

@@ -69,3 +69,22 @@ def nvcc_build(source: str, arch: str, nvcc: str = "nvcc") -> CudaBuild:
             elif current and "Used" in line:
                 kernels[current] = line.split(":", 1)[1].strip()
         return CudaBuild(arch, cubin.read_bytes(), kernels)
+
+
+def nvcc_ptx(source: str, arch: str, nvcc: str = "nvcc") -> str:
+    """The PTX that nvcc makes of ``source`` for ``arch`` (``-O3``): what the kernels ask of the
+    hardware, tensor-core instructions (``wmma.mma.sync``) included. Raises RuntimeError with
+    nvcc's messages when it fails."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as directory:
+        cu, ptx = Path(directory) / "kernels.cu", Path(directory) / "kernels.ptx"
+        cu.write_text(source)
+        result = subprocess.run(
+            [nvcc, "--ptx", f"-arch={arch}", "-O3", "-o", str(ptx), str(cu)],
+            capture_output=True,
+            text=True,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"nvcc failed for {arch}:\n{result.stderr}")
+        return ptx.read_text()

@@ -1,0 +1,260 @@
+"""The CUDA forward on tensor cores, for float16 layers.
+
+``TensorCoreCUDA`` schedules the forward PrimFunc whose columns are rounded to float16
+(``definition.forward(shape, column_dtype="float16")``), so that the GEMM is exactly a tensor
+core's multiply-add: float16 x float16 products accumulated in float32.
+
+- The sampling geometry is computed by its own small kernels, as in the default schedule.
+- The GEMM is put in matrix form, ``C[o, j] += A[o, k] * B[j, k]`` with ``j = (n, pixel)`` and
+  ``k = (input channel, tap)`` (``transform_block_layout`` and ``reindex``), and tiled into
+  16 x 16 x 16 WMMA fragments: each thread block computes a tile of ``warps x fragments``
+  fragments along each of the two output axes, and each warp a ``fragments x fragments`` block
+  of it.
+- For each chunk of the reduction, the block fills shared memory with the chunk of the weight
+  and with the sampled columns, sampled straight into shared memory (the sampling is inlined
+  into the fill, so the sampled image never round-trips through global memory); the warps load
+  their fragments from there and multiply them with WMMA (``mma.sync`` on sm_80 and sm_90).
+- The accumulators go through shared memory to the output stage (bias, cast to float16,
+  dropping the padding pixels).
+
+The rule applies to ungrouped layers whose output channels, padded pixels and reduction
+(``in_channels x taps``) are multiples of 16, on sm_70 and later; anything else falls through
+to the default CUDA schedule.
+
+``emulate=True`` applies the same tiling without the thread bindings, the fragments and the
+tensorization, with the shared buffers in global memory, which an LLVM target can compile and
+run: the tests use it to check on a CPU the matrix form, the tiling, the sampling inlined into
+the fill and the epilogue. ``tensorize`` itself checks that each tensorized block computes what
+the WMMA intrinsic computes (TVM compares the block with the intrinsic's description), so the
+emulated run checks the numbers the tensorized kernel computes, short of the hardware.
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.target import Target
+from tvm_deform.schedules.common import GEOMETRY, is_deform_conv
+
+#: the side of a WMMA fragment (m16n16k16)
+FRAGMENT = 16
+#: the dtypes this rule puts on tensor cores -> the oldest compute capability with their WMMA
+MIN_ARCH = {"float16": 70, "bfloat16": 80}
+
+
+class TensorCoreCUDA:
+    """The tensor-core CUDA schedule of a float16 forward PrimFunc (see the module docstring).
+
+    ``apply(func, target)`` returns None where the rule does not apply, and the default CUDA
+    schedule is used."""
+
+    #: warps along each output axis of a thread block, at most
+    warps = 2
+    #: fragments along each output axis of a warp, at most
+    fragments = 2
+    #: fragments along the reduction per shared-memory chunk, at most
+    chunk_fragments = 2
+    #: threads of a warp
+    warp_size = 32
+
+    def __init__(self, emulate: bool = False):
+        self.emulate = emulate
+
+    def apply(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
+        sch = s_tir.Schedule(func)
+        if not is_deform_conv(sch):
+            return None
+        gemm = _Gemm.of(sch)
+        if gemm is None or not self._supported(target, gemm.dtype):
+            return None
+        if not self.emulate:
+            for name in GEOMETRY:
+                _elementwise(sch, sch.get_sblock(name))
+        self._schedule_gemm(sch, gemm)
+        return sch
+
+    def _supported(self, target: Target, dtype: str) -> bool:
+        if self.emulate:
+            return True
+        if target.kind.name != "cuda":
+            return False
+        arch = str(target.attrs.get("arch", ""))
+        return (
+            arch.startswith("sm_") and int(arch.removeprefix("sm_").rstrip("a")) >= MIN_ARCH[dtype]
+        )
+
+    def _scope(self, scope: str) -> str:
+        return "global" if self.emulate else scope
+
+    def _bind(self, sch: s_tir.Schedule, loop, thread: str) -> None:
+        if not self.emulate:
+            sch.bind(loop, thread)
+
+    def _schedule_gemm(self, sch: s_tir.Schedule, gemm: _Gemm) -> None:
+        conv = sch.get_sblock("conv")
+        # C[o, j] += A[o, k] * B[j, k], with j = (n, pixel), k = (input channel, tap).
+        pixels, taps = gemm.pixels, gemm.taps
+        sch.transform_block_layout(
+            conv, lambda n, o, p, rc, rk: (o, n * pixels + p, rc * taps + rk)
+        )
+        weight_copy = sch.reindex(conv, ("read", 0))
+        column_copy = sch.reindex(conv, ("read", 1))
+        result_copy = sch.reindex(conv, ("write", 0))
+
+        warps_i, frags_i = _split_fragments(gemm.rows // FRAGMENT, self.warps, self.fragments)
+        warps_j, frags_j = _split_fragments(gemm.cols // FRAGMENT, self.warps, self.fragments)
+        chunk = _largest_divisor(gemm.depth // FRAGMENT, self.chunk_fragments)
+        warps = warps_i * warps_j
+
+        i, j, k = sch.get_loops(conv)
+        i, i_frag = sch.split(i, [None, FRAGMENT])
+        j, j_frag = sch.split(j, [None, FRAGMENT])
+        k, k_frag = sch.split(k, [None, FRAGMENT])
+        sch.reorder(i, j, k, i_frag, j_frag, k_frag)
+        inner = conv
+        outer = sch.blockize(i_frag)
+
+        i_block, i_warp, i_reg = sch.split(i, [None, warps_i, frags_i])
+        j_block, j_warp, j_reg = sch.split(j, [None, warps_j, frags_j])
+        k_chunk, k_reg = sch.split(k, [None, chunk])
+        sch.reorder(i_block, j_block, i_warp, j_warp, k_chunk, k_reg, i_reg, j_reg)
+        tile = sch.fuse(i_block, j_block)
+        warp = sch.fuse(i_warp, j_warp)
+        self._bind(sch, tile, "blockIdx.x")
+        self._bind(sch, warp, "threadIdx.y")
+
+        # The chunk's weights and sampled columns, filled by every thread of the block.
+        shared = self._scope("shared.dyn")
+        fills = []
+        for index, copy in ((0, weight_copy), (1, column_copy)):
+            fill = sch.cache_read(outer, index, shared)
+            sch.compute_at(fill, k_chunk)
+            sch.compute_inline(copy)
+            fills.append(fill)
+        sch.compute_inline(sch.get_sblock("columns"))
+        for fill, along_pixels in zip(fills, (False, True), strict=True):
+            row, col = sch.get_loops(fill)[-2:]
+            if along_pixels:
+                # Neighbouring threads sample neighbouring pixels (coalesced geometry reads).
+                sch.reorder(col, row)
+            fused = sch.fuse(row, col) if not along_pixels else sch.fuse(col, row)
+            _, thread_y, thread_x = sch.split(fused, [None, warps, self.warp_size])
+            self._bind(sch, thread_y, "threadIdx.y")
+            self._bind(sch, thread_x, "threadIdx.x")
+
+        # The accumulators go through shared memory to the output stage.
+        staged = sch.cache_write(outer, 0, shared)
+        if not self.emulate:
+            fragment_a = sch.cache_read(outer, 0, "wmma.matrix_a")
+            fragment_b = sch.cache_read(outer, 1, "wmma.matrix_b")
+            sch.compute_at(fragment_a, k_reg)
+            sch.compute_at(fragment_b, k_reg)
+            accumulator = sch.cache_write(outer, 0, "wmma.accumulator")
+            sch.reverse_compute_at(accumulator, warp)
+        sch.reverse_compute_at(staged, warp)
+        sch.reverse_compute_inline(result_copy)
+        self._store(sch, staged)
+        init = sch.decompose_reduction(outer, k_chunk)
+        if self.emulate:
+            return
+
+        intrinsics = wmma_intrinsics(gemm.dtype)
+        for fragment, name in ((fragment_a, "load_a"), (fragment_b, "load_b")):
+            self._tensorize_2d(sch, fragment, intrinsics[name])
+        self._tensorize_2d(sch, accumulator, intrinsics["store"])
+        sch.tensorize(sch.get_loops(sch.get_child_blocks(init)[0])[-2], intrinsics["init"])
+        sch.tensorize(sch.get_loops(inner)[-3], intrinsics["compute"])
+
+    def _tensorize_2d(self, sch: s_tir.Schedule, block, intrinsic: str) -> None:
+        i, j = sch.get_loops(block)[-2:]
+        i_outer, i_inner = sch.split(i, [None, FRAGMENT])
+        j_outer, j_inner = sch.split(j, [None, FRAGMENT])
+        sch.reorder(i_outer, j_outer, i_inner, j_inner)
+        sch.tensorize(i_inner, intrinsic)
+
+    def _store(self, sch: s_tir.Schedule, staged) -> None:
+        """The copy of the accumulators from shared memory to the conv buffer, spread over the
+        warp's threads; the output stage (bias, cast, unpadding) is its own kernel."""
+        loops = sch.get_loops(staged)[-2:]
+        fused = sch.fuse(*loops)
+        _, thread_x = sch.split(fused, [None, self.warp_size])
+        self._bind(sch, thread_x, "threadIdx.x")
+        output = sch.get_sblock("output")
+        if not self.emulate:
+            _elementwise(sch, output)
+
+
+class _Gemm:
+    """The GEMM of a forward PrimFunc as a tensor-core matrix product: ``rows`` output
+    channels, ``cols`` = batch x padded pixels, ``depth`` = input channels x taps."""
+
+    def __init__(self, rows: int, cols: int, depth: int, pixels: int, taps: int, dtype: str):
+        self.rows, self.cols, self.depth = rows, cols, depth
+        self.pixels, self.taps, self.dtype = pixels, taps, dtype
+
+    @classmethod
+    def of(cls, sch: s_tir.Schedule) -> _Gemm | None:
+        conv = sch.get(sch.get_sblock("conv"))
+        weight = next(r.source for r in conv.reads if r.source.name == "weight")
+        columns = sch.get(sch.get_sblock("columns")).writes[0].source
+        batch, out_channels, pixels = (int(d) for d in conv.writes[0].source.shape)
+        weight_in, taps = int(weight.shape[1]), int(weight.shape[2])
+        dtype = str(weight.dtype)
+        if dtype not in MIN_ARCH or str(columns.dtype) != dtype:
+            return None  # not the definition with rounded columns
+        if weight_in != int(columns.shape[1]):
+            return None  # grouped: the columns' index depends on the output channel
+        gemm = cls(out_channels, batch * pixels, weight_in * taps, pixels, taps, dtype)
+        if any(extent % FRAGMENT for extent in (gemm.rows, gemm.cols, gemm.depth)):
+            return None
+        return gemm
+
+
+def _split_fragments(count: int, warps: int, fragments: int) -> tuple[int, int]:
+    """(warps, fragments per warp) along an axis of ``count`` fragments: as many fragments per
+    warp as divide, then as many warps."""
+    per_warp = _largest_divisor(count, fragments)
+    return _largest_divisor(count // per_warp, warps), per_warp
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+def _elementwise(sch: s_tir.Schedule, block, threads: int = 256) -> None:
+    fused = sch.fuse(*sch.get_loops(block))
+    blocks, thread = sch.split(fused, [None, threads])
+    sch.bind(blocks, "blockIdx.x")
+    sch.bind(thread, "threadIdx.x")
+
+
+def wmma_intrinsics(dtype: str) -> dict[str, str]:
+    """The names of the m16n16k16 WMMA tensor intrinsics for ``dtype`` inputs and float32
+    accumulators, the fragments loaded from and stored to dynamic shared memory, B transposed
+    (``[pixel, reduction]``). TVM registers the float16 ones; the bfloat16 ones are registered
+    here from TVM's own generators, on first use."""
+    from tvm.s_tir.tensor_intrin import cuda
+
+    if dtype == "float16":
+        return cuda.get_wmma_intrin_group(
+            load_scope="shared.dyn",
+            store_scope="shared.dyn",
+            in_dtype="float16",
+            out_dtype="float32",
+            trans_b=True,
+        )
+    names = {
+        "init": cuda.WMMA_FILL_16x16x16_F32_INTRIN,
+        "store": cuda.WMMA_STORE_16x16x16_F32_SHARED_DYN_INTRIN,
+        "load_a": "tvm_deform_wmma_load_16x16x16_bf16_a_shared_dyn",
+        "load_b": "tvm_deform_wmma_load_16x16x16_bf16_b_trans_shared_dyn",
+        "compute": "tvm_deform_wmma_sync_16x16x16_bf16bf16f32_trans",
+    }
+    generators = {
+        "load_a": lambda: cuda.get_wmma_load_intrin(16, 16, 16, dtype, "shared.dyn", False, False),
+        "load_b": lambda: cuda.get_wmma_load_intrin(16, 16, 16, dtype, "shared.dyn", True, True),
+        "compute": lambda: cuda.get_wmma_sync_intrin(16, 16, 16, dtype, "float32", True),
+    }
+    for role, generate in generators.items():
+        if s_tir.TensorIntrin.get(names[role], allow_missing=True) is None:
+            s_tir.TensorIntrin.register(names[role], *generate())
+    return names
