@@ -1,7 +1,7 @@
 """How the kernels are scheduled (installed as ``tvm_deform.schedules``): one module per target
-family and kernel (:mod:`.cpu`, :mod:`.cpu_backward`, :mod:`.cuda`, :mod:`.cuda_backward`), what
-they share (:mod:`.common`), and the registry below, which says which rules schedule which
-kernel on which kind of target.
+family and kernel (:mod:`.cpu`, :mod:`.cpu_backward`, :mod:`.cuda`, :mod:`.cuda_backward`,
+:mod:`.cuda_tensor_core`), what they share (:mod:`.common`), and the registry below, which says
+which rules schedule which kernel on which kind of target.
 
 A rule is an object with ``apply(func, target) -> Schedule | None``; None means "not a PrimFunc
 I schedule". The rules of a (kernel, target kind) are tried in order and the first schedule

@@ -1,8 +1,9 @@
-"""The CUDA forward on tensor cores, for float16 layers.
+"""The CUDA forward on tensor cores, for float16 and bfloat16 layers.
 
-``TensorCoreCUDA`` schedules the forward PrimFunc whose columns are rounded to float16
-(``definition.forward(shape, column_dtype="float16")``), so that the GEMM is exactly a tensor
-core's multiply-add: float16 x float16 products accumulated in float32.
+``TensorCoreCUDA`` schedules the forward PrimFunc whose columns are rounded to the layer's dtype
+(``definition.forward(shape, column_dtype=shape.dtype)``), so that the GEMM is exactly a tensor
+core's multiply-add: float16 x float16 (or bfloat16 x bfloat16) products accumulated in
+float32.
 
 - The sampling geometry is computed by its own small kernels, as in the default schedule.
 - The GEMM is put in matrix form, ``C[o, j] += A[o, k] * B[j, k]`` with ``j = (n, pixel)`` and
@@ -18,8 +19,8 @@ core's multiply-add: float16 x float16 products accumulated in float32.
   dropping the padding pixels).
 
 The rule applies to ungrouped layers whose output channels, padded pixels and reduction
-(``in_channels x taps``) are multiples of 16, on sm_70 and later; anything else falls through
-to the default CUDA schedule.
+(``in_channels x taps``) are multiples of 16, on sm_70 and later for float16 and sm_80 and
+later for bfloat16; anything else falls through to the default CUDA schedule.
 
 ``emulate=True`` applies the same tiling without the thread bindings, the fragments and the
 tensorization, with the shared buffers in global memory, which an LLVM target can compile and
@@ -42,7 +43,7 @@ MIN_ARCH = {"float16": 70, "bfloat16": 80}
 
 
 class TensorCoreCUDA:
-    """The tensor-core CUDA schedule of a float16 forward PrimFunc (see the module docstring).
+    """The tensor-core CUDA schedule of a half-precision forward PrimFunc (module docstring).
 
     ``apply(func, target)`` returns None where the rule does not apply, and the default CUDA
     schedule is used."""
@@ -132,11 +133,12 @@ class TensorCoreCUDA:
             fills.append(fill)
         sch.compute_inline(sch.get_sblock("columns"))
         for fill, along_pixels in zip(fills, (False, True), strict=True):
-            row, col = sch.get_loops(fill)[-2:]
+            outer_loop, inner_loop = sch.get_loops(fill)[-2:]
             if along_pixels:
                 # Neighbouring threads sample neighbouring pixels (coalesced geometry reads).
-                sch.reorder(col, row)
-            fused = sch.fuse(row, col) if not along_pixels else sch.fuse(col, row)
+                sch.reorder(inner_loop, outer_loop)
+                outer_loop, inner_loop = inner_loop, outer_loop
+            fused = sch.fuse(outer_loop, inner_loop)
             _, thread_y, thread_x = sch.split(fused, [None, warps, self.warp_size])
             self._bind(sch, thread_y, "threadIdx.y")
             self._bind(sch, thread_x, "threadIdx.x")

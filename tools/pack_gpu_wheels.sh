@@ -4,9 +4,14 @@
 # of at most 36 MiB, and check that each part plus the repository's working tree (what every
 # device call carries) stays under the per-call limit with margin. Run here, in the repository
 # root; the parts land in .gpu/ (git-ignored). See README "Running on a GPU".
+#   bash tools/pack_gpu_wheels.sh [PYTHON_VERSION]   (default 3.12, the GPU machine's; the
+#   rehearsal, tools/rehearse_gpu_session.sh, packs for this machine's Python instead)
 set -euo pipefail
+python_version=${1:-3.12}
+rm -rf .gpu/download
 mkdir -p .gpu/download
-python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+python3 -m pip download --no-deps --only-binary=:all: --python-version "$python_version" \
+    --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .gpu/download \

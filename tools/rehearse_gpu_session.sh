@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Rehearse a GPU session's device calls here, on the CPU, with the same scripts: pack the wheel
+# parts (for this machine's Python), lay them out as calls 1-3 leave them (all parts but the
+# last stashed in .gpu-stash/, the last in .gpu/), then run call 3's command,
+# tools/gpu_session.sh, with the session on the CPU (--device cpu --quick). Runs in a clone of
+# the repository (its committed tree, as a device call carries it) in a scratch directory, with
+# this checkout's .venv first on PATH (torch comes from there, as from the GPU image there).
+#   bash tools/rehearse_gpu_session.sh [OUT_DIR]
+set -euo pipefail
+root=$(pwd)
+work=$(mktemp -d)
+out=${1:-$work/out}
+trap 'rm -rf "$work/repo" /tmp/site /tmp/wheels' EXIT
+git clone -q "$root" "$work/repo"
+cd "$work/repo"
+export PATH="$root/.venv/bin:$PATH"
+version=$(python3 -c 'import sys; print(f"{sys.version_info.major}.{sys.version_info.minor}")')
+bash tools/pack_gpu_wheels.sh "$version"
+parts=(.gpu/wheels.tar.part-*)
+mkdir -p .gpu-stash
+for part in "${parts[@]:0:${#parts[@]}-1}"; do mv "$part" .gpu-stash/; done
+rm -rf /tmp/site /tmp/wheels
+bash tools/gpu_session.sh "$out" --device cpu --quick --checks 2
+python3 - "$out" <<'PY'
+import json, sys
+results = json.load(open(f"{sys.argv[1]}/gpu_results.json"))
+failed = [step for step, entry in results.items() if isinstance(entry, dict) and entry.get("ok") is False]
+print("rehearsal:", "steps failed: " + ", ".join(failed) if failed else "every step passed")
+sys.exit(1 if failed else 0)
+PY
