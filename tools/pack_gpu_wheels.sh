@@ -4,10 +4,12 @@
 # of at most 36 MiB, and check that each part plus the repository's working tree (what every
 # device call carries) stays under the per-call limit with margin. Run here, in the repository
 # root; the parts land in .gpu/ (git-ignored). See README "Running on a GPU".
-#   bash tools/pack_gpu_wheels.sh [PYTHON_VERSION]   (default 3.12, the GPU machine's; the
-#   rehearsal, tools/rehearse_gpu_session.sh, packs for this machine's Python instead)
+#   bash tools/pack_gpu_wheels.sh [PYTHON_VERSION [XGBOOST_VERSION]]
+# (defaults 3.12, the GPU machine's Python, and xgboost-cpu 3.4.1, which needs 3.12; the
+# rehearsal, tools/rehearse_gpu_session.sh, packs for this machine's Python and xgboost instead)
 set -euo pipefail
 python_version=${1:-3.12}
+xgboost_version=${2:-3.4.1}
 rm -rf .gpu/download
 mkdir -p .gpu/download
 python3 -m pip download --no-deps --only-binary=:all: --python-version "$python_version" \
@@ -15,7 +17,7 @@ python3 -m pip download --no-deps --only-binary=:all: --python-version "$python_
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .gpu/download \
-    apache-tvm==0.27.0.post1 apache-tvm-ffi==0.1.14.post1 xgboost-cpu==3.4.1
+    apache-tvm==0.27.0.post1 apache-tvm-ffi==0.1.14.post1 "xgboost-cpu==$xgboost_version"
 rm -f .gpu/wheels.tar .gpu/wheels.tar.part-*
 tar -cf .gpu/wheels.tar -C .gpu/download .
 split -b 36m .gpu/wheels.tar .gpu/wheels.tar.part-

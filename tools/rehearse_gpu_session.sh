@@ -15,7 +15,8 @@ git clone -q "$root" "$work/repo"
 cd "$work/repo"
 export PATH="$root/.venv/bin:$PATH"
 version=$(python3 -c 'import sys; print(f"{sys.version_info.major}.{sys.version_info.minor}")')
-bash tools/pack_gpu_wheels.sh "$version"
+xgboost=$(python3 -c 'import xgboost; print(xgboost.__version__)')
+bash tools/pack_gpu_wheels.sh "$version" "$xgboost"
 parts=(.gpu/wheels.tar.part-*)
 mkdir -p .gpu-stash
 for part in "${parts[@]:0:${#parts[@]}-1}"; do mv "$part" .gpu-stash/; done
