@@ -26,6 +26,9 @@ python3 - "$out" <<'PY'
 import json, sys
 results = json.load(open(f"{sys.argv[1]}/gpu_results.json"))
 failed = [step for step, entry in results.items() if isinstance(entry, dict) and entry.get("ok") is False]
+paths = results["environment"]["value"]
+installed = all(paths[k].startswith("/tmp/site/") for k in ("tvm_path", "tvm_deform_path"))
 print("rehearsal:", "steps failed: " + ", ".join(failed) if failed else "every step passed")
-sys.exit(1 if failed else 0)
+print("packages imported from the wheels' install in /tmp/site:", installed, paths)
+sys.exit(1 if failed or not installed else 0)
 PY

@@ -443,7 +443,15 @@ def _use_logs(logs: Path) -> None:
 def _environment(cuda: bool) -> dict:
     import tvm
 
-    info = {"tvm": tvm.__version__, "python": sys.version.split()[0]}
+    import tvm_deform
+
+    info = {
+        "tvm": tvm.__version__,
+        "python": sys.version.split()[0],
+        # where the installed packages were imported from (the wheels' install, on a GPU)
+        "tvm_path": str(Path(tvm.__file__).parent),
+        "tvm_deform_path": str(Path(tvm_deform.__file__).parent),
+    }
     if cuda:
         props = torch.cuda.get_device_properties(0)
         info |= {"gpu": props.name, "arch": _arch(), "sms": props.multi_processor_count}
