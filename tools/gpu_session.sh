@@ -8,6 +8,7 @@ set -euo pipefail
 out=${1:?usage: tools/gpu_session.sh OUT_DIR [options]}
 shift
 mkdir -p /tmp/wheels "$out"
+out=$(cd "$out" && pwd)
 find .gpu .gpu-stash -name 'wheels.tar.part-*' 2>/dev/null \
     | awk -F/ '{print $NF, $0}' | sort -u -k1,1 | cut -d' ' -f2 | xargs cat \
     | tar -x -C /tmp/wheels
@@ -18,4 +19,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-d
     --target /tmp/site .
 # nvcc 13.0 is on the GPU image and was seen building kernels that run there.
 export PYTHONUNBUFFERED=1 TVM_DEFORM_CACHE_DIR=/tmp/tvm_deform_cache TVM_CUDA_COMPILE_MODE=nvcc
+# Run from outside the repository: from its root, Python would import the source tree, which
+# lacks the installed layout (schedules/ is installed as tvm_deform.schedules).
+cd /tmp
 python3 -m tvm_deform.tools.gpu_session --out "$out" "$@" 2>&1 | tee "$out/log.txt"
