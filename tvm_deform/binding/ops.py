@@ -512,7 +512,7 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 def _dispatcher_adds_nothing(tensors: tuple) -> bool:
     """Whether torch's dispatcher would do nothing for this call but run the op's CPU/CUDA
     implementation, which the call then runs directly. Going through the custom op's Python
-    layers costs about 15 us a call, half of a small layer's time. It is so for plain CPU or
+    layers costs about 8 us a call (a quarter of a tiny layer's time). It is so for plain CPU or
     CUDA tensors when autograd records nothing, autocast is off, and nothing watches or
     transforms ops: no torch.compile or jit tracing, no function or dispatch mode (fake
     tensors), no functorch transform (vmap, grad), no profiler (which should see the op)."""

@@ -8,7 +8,9 @@ a schedule can place each one where it pays:
    (``sample_coef``, bilinear weight x mask, zero for a corner outside the image). It does not
    depend on the channel, so it is computed once per offset group and reused by every channel.
 2. ``columns[n, c, k, p]``: the sampled, masked image (the im2col matrix of the deformed conv),
-   four loads and four multiply-adds per element, no branches.
+   four loads and four multiply-adds per element, no branches; in the accumulator dtype, or
+   rounded to a float16/bfloat16 layer's own dtype for tensor cores (``forward``'s
+   ``column_dtype``).
 3. ``conv``: the GEMM of the weight with the columns, accumulated in float32 (float64 for float64).
 4. ``output``: bias and the cast back to the input dtype.
 
