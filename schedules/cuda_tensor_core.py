@@ -19,8 +19,9 @@ float32.
   dropping the padding pixels).
 
 The rule applies to ungrouped layers whose output channels, padded pixels and reduction
-(``in_channels x taps``) are multiples of 16, on sm_70 and later for float16 and sm_80 and
-later for bfloat16; anything else falls through to the default CUDA schedule.
+(``in_channels x taps``) are multiples of 16 (and whose padded pixels are a power of two or a
+multiple of ``PIXEL_QUANTUM``, which leaves out 48-pixel maps), on sm_70 and later for float16
+and sm_80 and later for bfloat16; anything else falls through to the default CUDA schedule.
 
 ``emulate=True`` applies the same tiling without the thread bindings, the fragments and the
 tensorization, with the shared buffers in global memory, which an LLVM target can compile and
@@ -35,6 +36,8 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm_deform.schedules.common import GEOMETRY, is_deform_conv
+
+from tvm_deform.ir.definition import PIXEL_QUANTUM
 
 #: the side of a WMMA fragment (m16n16k16)
 FRAGMENT = 16
@@ -124,7 +127,11 @@ class TensorCoreCUDA:
         self._bind(sch, warp, "threadIdx.y")
 
         # The chunk's weights and sampled columns, filled by every thread of the block.
-        shared = self._scope("shared.dyn")
+        # The operands in static shared memory, the float32 accumulators (below) in dynamic
+        # shared memory: TVM reuses one allocation for buffers of the same scope whose lifetimes
+        # do not overlap, and a float16 fill sharing the accumulators' allocation then fails to
+        # lower (the fragments' pointers must keep their buffer's dtype).
+        shared = self._scope("shared")
         fills = []
         for index, copy in ((0, weight_copy), (1, column_copy)):
             fill = sch.cache_read(outer, index, shared)
@@ -144,7 +151,7 @@ class TensorCoreCUDA:
             self._bind(sch, thread_x, "threadIdx.x")
 
         # The accumulators go through shared memory to the output stage.
-        staged = sch.cache_write(outer, 0, shared)
+        staged = sch.cache_write(outer, 0, self._scope("shared.dyn"))
         if not self.emulate:
             fragment_a = sch.cache_read(outer, 0, "wmma.matrix_a")
             fragment_b = sch.cache_read(outer, 1, "wmma.matrix_b")
@@ -208,6 +215,10 @@ class _Gemm:
         gemm = cls(out_channels, batch * pixels, weight_in * taps, pixels, taps, dtype)
         if any(extent % FRAGMENT for extent in (gemm.rows, gemm.cols, gemm.depth)):
             return None
+        if pixels % PIXEL_QUANTUM and pixels & (pixels - 1):
+            # A 48-pixel map (the one such map of 16 to 64 pixels): TVM fails to place the
+            # column fill when fragment tiles of (image, pixel) straddle images of 48 pixels.
+            return None
         return gemm
 
 
@@ -231,14 +242,14 @@ def _elementwise(sch: s_tir.Schedule, block, threads: int = 256) -> None:
 
 def wmma_intrinsics(dtype: str) -> dict[str, str]:
     """The names of the m16n16k16 WMMA tensor intrinsics for ``dtype`` inputs and float32
-    accumulators, the fragments loaded from and stored to dynamic shared memory, B transposed
-    (``[pixel, reduction]``). TVM registers the float16 ones; the bfloat16 ones are registered
-    here from TVM's own generators, on first use."""
+    accumulators: fragments loaded from static shared memory and stored to dynamic shared
+    memory, B transposed (``[pixel, reduction]``). TVM registers the float16 ones; the bfloat16
+    ones are registered here from TVM's own generators, on first use."""
     from tvm.s_tir.tensor_intrin import cuda
 
     if dtype == "float16":
         return cuda.get_wmma_intrin_group(
-            load_scope="shared.dyn",
+            load_scope="shared",
             store_scope="shared.dyn",
             in_dtype="float16",
             out_dtype="float32",
@@ -247,13 +258,13 @@ def wmma_intrinsics(dtype: str) -> dict[str, str]:
     names = {
         "init": cuda.WMMA_FILL_16x16x16_F32_INTRIN,
         "store": cuda.WMMA_STORE_16x16x16_F32_SHARED_DYN_INTRIN,
-        "load_a": "tvm_deform_wmma_load_16x16x16_bf16_a_shared_dyn",
-        "load_b": "tvm_deform_wmma_load_16x16x16_bf16_b_trans_shared_dyn",
+        "load_a": "tvm_deform_wmma_load_16x16x16_bf16_a_shared",
+        "load_b": "tvm_deform_wmma_load_16x16x16_bf16_b_trans_shared",
         "compute": "tvm_deform_wmma_sync_16x16x16_bf16bf16f32_trans",
     }
     generators = {
-        "load_a": lambda: cuda.get_wmma_load_intrin(16, 16, 16, dtype, "shared.dyn", False, False),
-        "load_b": lambda: cuda.get_wmma_load_intrin(16, 16, 16, dtype, "shared.dyn", True, True),
+        "load_a": lambda: cuda.get_wmma_load_intrin(16, 16, 16, dtype, "shared", False, False),
+        "load_b": lambda: cuda.get_wmma_load_intrin(16, 16, 16, dtype, "shared", True, True),
         "compute": lambda: cuda.get_wmma_sync_intrin(16, 16, 16, dtype, "float32", True),
     }
     for role, generate in generators.items():

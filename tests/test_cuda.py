@@ -21,7 +21,7 @@ from tvm.s_tir import meta_schedule as ms
 from tvm_deform.schedules.cuda import DefaultCUDA
 from tvm_deform.schedules.cuda_tensor_core import TensorCoreCUDA
 
-from tvm_deform import deform_conv2d
+from tvm_deform import deform_conv2d, schedules
 from tvm_deform.binding.ops import run_forward
 from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape
@@ -134,7 +134,7 @@ def test_emulated_cuda_schedule_on_a_depthwise_suite_layer():
 
 #: layers the tensor-core rule takes (ungrouped; output channels, padded pixels and
 #: in_channels x taps multiples of 16): batch 2 with offset groups and a bias, a strided one,
-#: and a 1x3 DCNv1 layer with 3 offset groups
+#: a 1x3 DCNv1 layer with 3 offset groups, and 3 images of 16 pixels (tiles of one fragment)
 TENSOR_CORE_CONFIGS = [
     dict(n=2, c=32, h=9, w=9, o=32, kh=3, kw=3, stride=(1, 1), padding=(1, 1),
          dilation=(1, 1), groups=1, offset_groups=2, use_mask=True, use_bias=True),
@@ -142,12 +142,16 @@ TENSOR_CORE_CONFIGS = [
          dilation=(1, 1), groups=1, offset_groups=1, use_mask=True, use_bias=False),
     dict(n=3, c=48, h=8, w=24, o=16, kh=1, kw=3, stride=(1, 1), padding=(0, 1),
          dilation=(1, 1), groups=1, offset_groups=3, use_mask=False, use_bias=True),
+    dict(n=3, c=64, h=5, w=4, o=16, kh=2, kw=3, stride=(1, 1), padding=(0, 1),
+         dilation=(1, 1), groups=1, offset_groups=4, use_mask=True, use_bias=True),
 ]  # fmt: skip
 HALF_TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("cfg", TENSOR_CORE_CONFIGS, ids=["batch2", "strided", "dcnv1_1x3"])
+@pytest.mark.parametrize(
+    "cfg", TENSOR_CORE_CONFIGS, ids=["batch2", "strided", "dcnv1_1x3", "odd_fragments"]
+)
 def test_emulated_tensor_core_schedule_matches_torchvision(cfg, dtype):
     """The tensor-core schedule's structure (matrix form, fragment tiling, sampling inlined
     into the shared-memory fill, epilogue), without the bindings and the WMMA instructions, run
@@ -167,8 +171,6 @@ def test_emulated_tensor_core_schedule_matches_torchvision(cfg, dtype):
 
 
 def test_tensor_core_rule_takes_half_layers_and_leaves_the_rest():
-    from tvm_deform import schedules
-
     demo = SUITE["demo_64x56x56"]
     sm_90, sm_75 = targets.cuda_target("sm_90"), targets.cuda_target("sm_75")
 
@@ -194,6 +196,34 @@ def test_tensor_core_rule_takes_half_layers_and_leaves_the_rest():
         )
         is None
     )
+
+
+@pytest.mark.parametrize(
+    "shape, on_tensor_cores",
+    [
+        # one fragment of output channels and of reduction, 2 images of 32 pixels
+        (ConvShape(2, 16, 4, 8, 16, 1, 1, dtype="bfloat16"), True),
+        # a 1x1 kernel (one tap), three reduction fragments (chunks of one fragment)
+        (ConvShape(1, 48, 8, 8, 80, 1, 1, dtype="float16"), True),
+        # 3 images of 16 pixels (an odd number of fragments), offset groups, mask and bias
+        (ConvShape(3, 64, 5, 4, 16, 2, 3, pad_w=1, offset_groups=4, has_mask=True,
+                   has_bias=True, dtype="float16"), True),
+        # maps of 24 and 48 pixels: left to the default schedule
+        (ConvShape(2, 64, 9, 11, 16, 2, 3, 1, 3, 0, 1, 1, 2, offset_groups=4, has_mask=True,
+                   has_bias=True, dtype="float16"), False),
+        (ConvShape(1, 32, 4, 12, 32, 1, 1, dtype="float16"), False),
+    ],
+    ids=["one_fragment", "one_tap", "odd_fragments", "24_pixels", "48_pixels"],
+)  # fmt: skip
+def test_small_half_layers_compile_for_cuda(shape, on_tensor_cores):
+    """Small layers, where tiles of one fragment and unit loops appear, compile for sm_80 with
+    the schedule that takes them (a random sweep of such layers once found two that did not)."""
+    target = targets.cuda_target("sm_80")
+    sch = schedules.forward_schedule(shape, target)
+    with target:
+        built = tvm.compile(sch.mod, target=target)
+    source = "\n".join(m.inspect_source("cuda") for m in built.mod.imports if m.kind == "cuda")
+    assert ("wmma::mma_sync" in source) == on_tensor_cores
 
 
 @needs_nvcc
