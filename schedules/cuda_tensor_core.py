@@ -216,8 +216,9 @@ class _Gemm:
         if any(extent % FRAGMENT for extent in (gemm.rows, gemm.cols, gemm.depth)):
             return None
         if pixels % PIXEL_QUANTUM and pixels & (pixels - 1):
-            # A 48-pixel map (the one such map of 16 to 64 pixels): TVM fails to place the
-            # column fill when fragment tiles of (image, pixel) straddle images of 48 pixels.
+            # e.g. 24- or 48-pixel maps: TVM failed to place the column fill of a 48-pixel
+            # map, whose fragments of (image, pixel) straddle images; the others of that kind
+            # are left out with it.
             return None
         return gemm
 
