@@ -63,13 +63,19 @@ class TensorCoreCUDA:
     def __init__(self, emulate: bool = False):
         self.emulate = emulate
 
-    def apply(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
+    def takes(self, func: tirx.PrimFunc, target: Target) -> bool:
+        """Whether :meth:`apply` schedules ``func`` (without scheduling it)."""
         sch = s_tir.Schedule(func)
         if not is_deform_conv(sch):
-            return None
+            return False
         gemm = _Gemm.of(sch)
-        if gemm is None or not self._supported(target, gemm.dtype):
+        return gemm is not None and self._supported(target, gemm.dtype)
+
+    def apply(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
+        if not self.takes(func, target):
             return None
+        sch = s_tir.Schedule(func)
+        gemm = _Gemm.of(sch)
         if not self.emulate:
             for name in GEOMETRY:
                 _elementwise(sch, sch.get_sblock(name))

@@ -175,7 +175,9 @@ def test_tensor_core_rule_takes_half_layers_and_leaves_the_rest():
     sm_90, sm_75 = targets.cuda_target("sm_90"), targets.cuda_target("sm_75")
 
     def on_tensor_cores(shape: ConvShape, target) -> bool:
-        return "wmma" in schedules.forward_schedule(shape, target).mod.script()
+        scheduled = "wmma" in schedules.forward_schedule(shape, target).mod.script()
+        assert schedules.runs_on_tensor_cores(shape, target) == scheduled
+        return scheduled
 
     for dtype in ("float16", "bfloat16"):
         assert on_tensor_cores(dataclasses.replace(demo, dtype=dtype), sm_90)
@@ -382,6 +384,8 @@ def test_gpu_session_steps_run_on_the_cpu(tmp_path):
     assert results["build"]["ok"] and results["build"]["value"]["kernels"] == 4
     assert all(c["passed"] for c in results["check"]["value"])
     assert all(c["same_bits_twice"] for c in results["gradients"]["value"])
+    timed = [r for r in results["time"]["value"] if r["implementation"] == "tvm_deform default"]
+    assert timed and not any(r["tensor_cores"] for r in timed)  # the CPU has none
     assert results["gradients"]["ok"]
     assert "time_so_far" not in results
     table = (tmp_path / "gpu_results.md").read_text()

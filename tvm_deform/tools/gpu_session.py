@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from tvm_deform import __version__, deform_conv2d
+from tvm_deform import __version__, deform_conv2d, schedules
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import kernels, targets
 from tvm_deform.tools.bench import geometric_mean, measure, relative_error
@@ -218,6 +218,8 @@ def time_layers(
             with torch.no_grad():
                 for label, make in variants.items():
                     row = {"layer": name, "dtype": dtype_name, "implementation": label}
+                    if label == "tvm_deform default":
+                        row["tensor_cores"] = schedules.runs_on_tensor_cores(typed, target)
                     try:
                         fn = make()
                         dense = label.startswith("conv2d")
