@@ -54,9 +54,11 @@ def forward_schedule(shape: ConvShape, target: Target, layout: str = "NCHW") -> 
     definition whose sampled columns are rounded to the layer's dtype (what a tensor core
     multiplies; float32 accumulation either way). Any other layer gets the first default rule
     of the plain definition. float32 never runs on tensor cores (no TF32)."""
-    if runs_on_tensor_cores(shape, target, layout):
+    if target.kind.name == "cuda" and shape.dtype in TENSOR_CORE_MIN_ARCH:
         func = definition.forward(shape, layout, column_dtype=shape.dtype)
-        return TensorCoreCUDA().apply(func, target)
+        sch = TensorCoreCUDA().apply(func, target)
+        if sch is not None:
+            return sch
     return apply_default("forward", definition.forward(shape, layout), target)
 
 

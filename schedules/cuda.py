@@ -53,7 +53,7 @@ class DefaultCUDA:
             return None
         threads_o, regs_o = self.out_tile(sch)
         for name in GEOMETRY:
-            self._elementwise(sch, sch.get_sblock(name))
+            self.elementwise(sch, sch.get_sblock(name))
         self._gemm(sch, threads_o, regs_o)
         return sch
 
@@ -91,7 +91,8 @@ class DefaultCUDA:
     def _shared(self) -> str:
         return "global" if self.emulate else "shared"
 
-    def _elementwise(self, sch: s_tir.Schedule, block) -> None:
+    def elementwise(self, sch: s_tir.Schedule, block) -> None:
+        """Bind an elementwise block (a geometry kernel): its loops fused, one thread each."""
         fused = sch.fuse(*sch.get_loops(block))
         blocks, threads = sch.split(fused, [None, self.geometry_threads])
         self._bind(sch, blocks, "blockIdx.x")

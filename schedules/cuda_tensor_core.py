@@ -14,7 +14,7 @@ float32.
 - For each chunk of the reduction, the block fills shared memory with the chunk of the weight
   and with the sampled columns, sampled straight into shared memory (the sampling is inlined
   into the fill, so the sampled image never round-trips through global memory); the warps load
-  their fragments from there and multiply them with WMMA (``mma.sync`` on sm_80 and sm_90).
+  their fragments from there and multiply them with WMMA (PTX ``wmma.mma.sync``).
 - The accumulators go through shared memory to the output stage (bias, cast to float16,
   dropping the padding pixels).
 
@@ -35,7 +35,8 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 from tvm.target import Target
-from tvm_deform.schedules.common import GEOMETRY, is_deform_conv
+from tvm_deform.schedules.common import GEOMETRY, is_deform_conv, largest_divisor
+from tvm_deform.schedules.cuda import DefaultCUDA
 
 from tvm_deform.ir.definition import PIXEL_QUANTUM
 
@@ -65,22 +66,24 @@ class TensorCoreCUDA:
 
     def takes(self, func: tirx.PrimFunc, target: Target) -> bool:
         """Whether :meth:`apply` schedules ``func`` (without scheduling it)."""
-        sch = s_tir.Schedule(func)
-        if not is_deform_conv(sch):
-            return False
-        gemm = _Gemm.of(sch)
-        return gemm is not None and self._supported(target, gemm.dtype)
+        return self._gemm(s_tir.Schedule(func), target) is not None
 
     def apply(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
-        if not self.takes(func, target):
-            return None
         sch = s_tir.Schedule(func)
-        gemm = _Gemm.of(sch)
-        if not self.emulate:
-            for name in GEOMETRY:
-                _elementwise(sch, sch.get_sblock(name))
+        gemm = self._gemm(sch, target)
+        if gemm is None:
+            return None
+        # The geometry kernels and the epilogue are elementwise, as in the default schedule.
+        elementwise = DefaultCUDA(self.emulate).elementwise
+        for name in GEOMETRY:
+            elementwise(sch, sch.get_sblock(name))
         self._schedule_gemm(sch, gemm)
+        elementwise(sch, sch.get_sblock("output"))
         return sch
+
+    def _gemm(self, sch: s_tir.Schedule, target: Target) -> _Gemm | None:
+        gemm = _Gemm.of(sch) if is_deform_conv(sch) else None
+        return gemm if gemm is not None and self._supported(target, gemm.dtype) else None
 
     def _supported(self, target: Target, dtype: str) -> bool:
         if self.emulate:
@@ -112,7 +115,7 @@ class TensorCoreCUDA:
 
         warps_i, frags_i = _split_fragments(gemm.rows // FRAGMENT, self.warps, self.fragments)
         warps_j, frags_j = _split_fragments(gemm.cols // FRAGMENT, self.warps, self.fragments)
-        chunk = _largest_divisor(gemm.depth // FRAGMENT, self.chunk_fragments)
+        chunk = largest_divisor(gemm.depth // FRAGMENT, self.chunk_fragments)
         warps = warps_i * warps_j
 
         i, j, k = sch.get_loops(conv)
@@ -193,9 +196,6 @@ class TensorCoreCUDA:
         fused = sch.fuse(*loops)
         _, thread_x = sch.split(fused, [None, self.warp_size])
         self._bind(sch, thread_x, "threadIdx.x")
-        output = sch.get_sblock("output")
-        if not self.emulate:
-            _elementwise(sch, output)
 
 
 class _Gemm:
@@ -232,19 +232,8 @@ class _Gemm:
 def _split_fragments(count: int, warps: int, fragments: int) -> tuple[int, int]:
     """(warps, fragments per warp) along an axis of ``count`` fragments: as many fragments per
     warp as divide, then as many warps."""
-    per_warp = _largest_divisor(count, fragments)
-    return _largest_divisor(count // per_warp, warps), per_warp
-
-
-def _largest_divisor(n: int, at_most: int) -> int:
-    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
-
-
-def _elementwise(sch: s_tir.Schedule, block, threads: int = 256) -> None:
-    fused = sch.fuse(*sch.get_loops(block))
-    blocks, thread = sch.split(fused, [None, threads])
-    sch.bind(blocks, "blockIdx.x")
-    sch.bind(thread, "threadIdx.x")
+    per_warp = largest_divisor(count, fragments)
+    return largest_divisor(count // per_warp, warps), per_warp
 
 
 def wmma_intrinsics(dtype: str) -> dict[str, str]:
