@@ -17,6 +17,17 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade \
     --target /tmp/site .
+# TVM's CUDA runtime (tvm/lib/libtvm_runtime_cuda.so) needs libcudart.so.13, and TVM skips
+# CUDA without a word when it cannot load it: point the loader at the CUDA runtime that torch's
+# own wheels bring (the copy torch loads anyway), else at the toolkit's.
+cudart=$(python3 -c '
+import glob, site
+dirs = [p + "/nvidia/cu13/lib" for p in site.getsitepackages()]
+dirs += ["/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib"]
+print(next((d for d in dirs if glob.glob(d + "/libcudart.so.13*")), ""))
+')
+echo "libcudart.so.13 from: ${cudart:-not found, the default search path}"
+if [[ -n $cudart ]]; then export LD_LIBRARY_PATH=$cudart${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}; fi
 # nvcc 13.0 is on the GPU image and was seen building kernels that run there.
 export PYTHONUNBUFFERED=1 TVM_DEFORM_CACHE_DIR=/tmp/tvm_deform_cache TVM_CUDA_COMPILE_MODE=nvcc
 # Run from outside the repository: from its root, Python would import the source tree, which

@@ -455,6 +455,9 @@ def _environment(cuda: bool) -> dict:
         "tvm_deform_path": str(Path(tvm_deform.__file__).parent),
     }
     if cuda:
+        # False when TVM could not load its CUDA runtime (libtvm_runtime_cuda.so and the
+        # libcudart it needs): every kernel would fail to run.
+        info["tvm_cuda"] = tvm.runtime.enabled("cuda")
         props = torch.cuda.get_device_properties(0)
         info |= {"gpu": props.name, "arch": _arch(), "sms": props.multi_processor_count}
     return info
