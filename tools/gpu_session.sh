@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The second device call of a GPU session (README "Running on a GPU"), run in the repository
-# root on the GPU machine: join the wheel parts (one stashed in .gpu-stash/ by the first call,
-# one carried now in .gpu/), install TVM and this package into /tmp/site without network,
-# then build, check, tune and time with python -m tvm_deform.tools.gpu_session.
+# root on the GPU machine: join the wheel parts (the first one stashed by the first call, in
+# .gpu-stash/ and in /tmp/gpu-stash/, the second carried now in .gpu/), install TVM and this
+# package into /tmp/site without network, then build, check, time and tune with
+# python -m tvm_deform.tools.gpu_session.
 #   bash tools/gpu_session.sh OUT_DIR [gpu_session options, e.g. --trials 32]
 set -euo pipefail
 out=${1:?usage: tools/gpu_session.sh OUT_DIR [options]}
 shift
 mkdir -p /tmp/wheels "$out"
 out=$(cd "$out" && pwd)
-find .gpu .gpu-stash -name 'wheels.tar.part-*' 2>/dev/null \
+find .gpu .gpu-stash /tmp/gpu-stash -name 'wheels.tar.part-*' 2>/dev/null \
     | awk -F/ '{print $NF, $0}' | sort -u -k1,1 | cut -d' ' -f2 | xargs cat \
     | tar -x -C /tmp/wheels
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

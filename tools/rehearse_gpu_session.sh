@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Rehearse a GPU session's device calls here, on the CPU, with the same scripts: pack the wheel
-# parts (for this machine's Python), lay them out as calls 1-3 leave them (all parts but the
-# last stashed in .gpu-stash/, the last in .gpu/), then run call 3's command,
-# tools/gpu_session.sh, with the session on the CPU (--device cpu --quick). Runs in a clone of
-# the repository (its committed tree, as a device call carries it) in a scratch directory, with
+# Rehearse a GPU session's two device calls here, on the CPU, with the same scripts: pack the
+# wheel parts (for this machine's Python), run the first call's command (tools/gpu_stash.sh)
+# with the first part in .gpu/, then the second call's (tools/gpu_session.sh) with the second
+# part there and the session on the CPU (--device cpu --quick). Runs in a clone of the
+# repository (its committed tree, as a device call carries it) in a scratch directory, with
 # this checkout's .venv first on PATH (torch comes from there, as from the GPU image there).
 #   bash tools/rehearse_gpu_session.sh [OUT_DIR]
 set -euo pipefail
 root=$(pwd)
 work=$(mktemp -d)
 out=${1:-$work/out}
-trap 'rm -rf "$work/repo" /tmp/site /tmp/wheels' EXIT
+trap 'rm -rf "$work/repo" /tmp/site /tmp/wheels /tmp/gpu-stash' EXIT
 git clone -q "$root" "$work/repo"
 cd "$work/repo"
 export PATH="$root/.venv/bin:$PATH"
@@ -18,9 +18,12 @@ version=$(python3 -c 'import sys; print(f"{sys.version_info.major}.{sys.version_
 xgboost=$(python3 -c 'import xgboost; print(xgboost.__version__)')
 bash tools/pack_gpu_wheels.sh "$version" "$xgboost"
 parts=(.gpu/wheels.tar.part-*)
-mkdir -p .gpu-stash
-for part in "${parts[@]:0:${#parts[@]}-1}"; do mv "$part" .gpu-stash/; done
-rm -rf /tmp/site /tmp/wheels
+if ((${#parts[@]} != 2)); then echo "expected two wheel parts, got ${#parts[@]}"; exit 1; fi
+mkdir -p "$work/later"
+mv "${parts[1]}" "$work/later/"
+rm -rf /tmp/site /tmp/wheels /tmp/gpu-stash
+bash tools/gpu_stash.sh
+mv "$work/later/$(basename "${parts[1]}")" .gpu/
 bash tools/gpu_session.sh "$out" --device cpu --quick --checks 2
 python3 - "$out" <<'PY'
 import json, sys

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The first device call of a GPU session (README "Running on a GPU"), run in the repository
+# root on the GPU machine: keep the wheel part this call carried in .gpu/ for the second call,
+# in .gpu-stash/ (an ignored folder of the checkout there) and in /tmp/gpu-stash/, then print
+# what the machine has that the second call relies on.
+#   bash tools/gpu_stash.sh
+set -uo pipefail
+mkdir -p .gpu-stash /tmp/gpu-stash
+for part in .gpu/wheels.tar.part-*; do
+    cp "$part" /tmp/gpu-stash/ && mv "$part" .gpu-stash/ || exit 1
+done
+ls -l .gpu-stash /tmp/gpu-stash
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+python3 -c 'import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.is_available())'
+command -v nvcc g++ || true
+nvcc --version | tail -1 || true
