@@ -389,6 +389,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         path.write_text(json.dumps(results, indent=1, default=str))
         return value
 
+    if cuda:
+        # float32 stays float32 on both sides of every comparison: no TF32 in cuDNN's conv2d
+        # (on by default) nor in cuBLAS, which torchvision's CUDA op multiplies with.
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
     step("environment", lambda: _environment(cuda))
     # The quick check first: without a kernel that runs and matches, nothing else is worth the
     # device's time.
@@ -485,6 +490,10 @@ def _environment(cuda: bool) -> dict:
         # False when TVM could not load its CUDA runtime (libtvm_runtime_cuda.so and the
         # libcudart it needs): every kernel would fail to run.
         info["tvm_cuda"] = tvm.runtime.enabled("cuda")
+        info["tf32"] = {
+            "cudnn": torch.backends.cudnn.allow_tf32,
+            "matmul": torch.backends.cuda.matmul.allow_tf32,
+        }
         props = torch.cuda.get_device_properties(0)
         info |= {"gpu": props.name, "arch": _arch(), "sms": props.multi_processor_count}
     return info
