@@ -512,7 +512,8 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 def _dispatcher_adds_nothing(tensors: tuple) -> bool:
     """Whether torch's dispatcher would do nothing for this call but run the op's CPU/CUDA
     implementation, which the call then runs directly. Going through the custom op's Python
-    layers costs about 8 us a call (a quarter of a tiny layer's time). It is so for plain CPU or
+    layers costs about 8 us a call (measured on a 2-core Zen 5: a quarter of a tiny layer's
+    time; 13 such calls are about 0.1% of an eager R50-DCNv2 forward). It is so for plain CPU or
     CUDA tensors when autograd records nothing, autocast is off, and nothing watches or
     transforms ops: no torch.compile or jit tracing, no function or dispatch mode (fake
     tensors), no functorch transform (vmap, grad), no profiler (which should see the op)."""
