@@ -424,7 +424,7 @@ def test_gpu_session_times_the_defaults_before_tuning(tmp_path, monkeypatch):
             on_row(row)
         return rows
 
-    def tune_suite(layers, trials, seconds, work):
+    def tune_suite(layers, trials, seconds, work, device):
         calls.append("tune")
         assert list(layers)[0] != "seed"  # the largest layers first
         return {}

@@ -313,12 +313,14 @@ def tuning_order(layers: dict[str, ConvShape]) -> dict[str, ConvShape]:
     return dict(sorted(layers.items(), key=lambda item: -item[1].gemm_flops))
 
 
-def tune_suite(layers: dict[str, ConvShape], trials: int, seconds: float, work: Path) -> dict:
-    """Tune ``layers`` for this GPU in the generic space until ``seconds`` have passed;
-    returns the per-task results and writes the pruned logs under ``work / "logs"``."""
+def tune_suite(
+    layers: dict[str, ConvShape], trials: int, seconds: float, work: Path, device: str = "cuda"
+) -> dict:
+    """Tune ``layers`` for this GPU (or this CPU) in the generic space until ``seconds`` have
+    passed; returns the per-task results and writes the pruned logs under ``work / "logs"``."""
     from tvm_deform.tools.tuning import tune
 
-    target = targets.cuda_target(_arch())
+    target = targets.cuda_target(_arch()) if device == "cuda" else targets.host_target()
     started, done = time.monotonic(), {}
     for name, shape in layers.items():
         if time.monotonic() - started > seconds:
@@ -439,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The tuning stops in time to leave the tuned kernels' timing about two minutes
         # before the deadline (it builds them first).
         budget = min(args.tune_seconds, args.deadline - (time.monotonic() - started) - 120)
-        step("tune", lambda: tune_suite(tuning_order(suite), trials, budget, work))
+        step("tune", lambda: tune_suite(tuning_order(suite), trials, budget, work, args.device))
         step("pack_logs", lambda: _pack_logs(work / "logs", out / "tuning_logs_cuda.tar.gz"))
         _use_logs(work / "logs")
         tuned_rows = step(
