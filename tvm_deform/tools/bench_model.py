@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from tvm_deform.ir.definition import ConvShape
-from tvm_deform.tools.bench import Timing, measure, relative_error
+from tvm_deform.tools.bench import ROUNDS, Timing, combine, measure, relative_error
 
 #: implementation name -> the deform_conv2d it calls (torchvision's imported lazily)
 IMPLEMENTATIONS = ("torchvision", "tvm_deform", "dense")
@@ -195,10 +195,6 @@ class ModelRow:
     note: str = ""
 
 
-def _timed(fn: Callable[[], object], runs: int) -> Timing:
-    return measure(fn, warmup=2, min_runs=runs, min_seconds=1.0)
-
-
 def run(
     size: int = 320,
     batch: int = 1,
@@ -207,8 +203,9 @@ def run(
     runs: int = 10,
     log: Callable[[str], None] = print,
 ) -> list[ModelRow]:
-    """Time the backbone on a random ``batch x 3 x size x size`` input every way; see the
-    module docstring."""
+    """Time the backbone on a random ``batch x 3 x size x size`` input every way (see the
+    module docstring): at least ``runs`` runs a row, in interleaved rounds; a row's time is the
+    median of its rounds' medians."""
     threads = torch.get_num_threads()
     x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1))
     models = {name: r50_dcnv2(name) for name in IMPLEMENTATIONS}
@@ -234,13 +231,21 @@ def run(
             rows.append(ModelRow(peer, None, None, f"failed: {type(error).__name__}: {error}"))
             continue
         candidates[f"{peer} (whole model)"] = lambda r=runner: r(x)
+    errors = {}
     for label, fn in candidates.items():
-        log(f"  {label} ...")
         with torch.inference_mode():
-            out = fn()
-            dense = "dense" in label
-            error = None if dense else relative_error(out, expected)
-            rows.append(ModelRow(label, _timed(fn, runs), error))
+            errors[label] = None if "dense" in label else relative_error(fn(), expected)
+    # Interleaved rounds: every row is timed in each round, so that a slow stretch of a shared
+    # machine does not fall on one row alone (and every row runs beside the same peers'
+    # thread pools, which exist from here on).
+    rounds: dict[str, list[Timing]] = {label: [] for label in candidates}
+    for round_ in range(ROUNDS):
+        log(f"  round {round_ + 1} of {ROUNDS} ...")
+        for label, fn in candidates.items():
+            with torch.inference_mode():
+                per_round = max(2, -(-runs // ROUNDS))
+                rounds[label].append(measure(fn, warmup=1, min_runs=per_round, min_seconds=0.3))
+    rows += [ModelRow(label, combine(rounds[label]), errors[label]) for label in candidates]
     return rows
 
 

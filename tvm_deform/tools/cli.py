@@ -117,8 +117,9 @@ def run_bench_model(args: argparse.Namespace) -> int:
     peers = () if args.no_peers else tuple(available_peers())
     print(
         f"R50-DCNv2 (DCN in c3-c5), input {args.batch}x3x{args.size}x{args.size}, inference, "
-        f"{torch.get_num_threads()} threads, CPU {targets.host_cpu()}; median of >= {args.runs} "
-        "runs; every row checked against torch + torchvision"
+        f"{torch.get_num_threads()} threads, CPU {targets.host_cpu()}; >= {args.runs} runs a row "
+        f"in {bench_model.ROUNDS} interleaved rounds, the median of the rounds' medians; every "
+        "row checked against torch + torchvision"
     )
     rows = bench_model.run(
         args.size, args.batch, compiled=not args.no_compile, peers=peers, runs=args.runs
