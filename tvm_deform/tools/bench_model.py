@@ -239,11 +239,11 @@ def run(
     # machine does not fall on one row alone (and every row runs beside the same peers'
     # thread pools, which exist from here on).
     rounds: dict[str, list[Timing]] = {label: [] for label in candidates}
+    per_round = max(2, -(-runs // ROUNDS))
     for round_ in range(ROUNDS):
         log(f"  round {round_ + 1} of {ROUNDS} ...")
         for label, fn in candidates.items():
             with torch.inference_mode():
-                per_round = max(2, -(-runs // ROUNDS))
                 rounds[label].append(measure(fn, warmup=1, min_runs=per_round, min_seconds=0.3))
     rows += [ModelRow(label, combine(rounds[label]), errors[label]) for label in candidates]
     return rows
