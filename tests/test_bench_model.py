@@ -62,7 +62,7 @@ def test_onnx_export_maps_torchvision_op_to_deform_conv():
 def test_layers_in_model_time_every_dcn_layer():
     rows = bench_model.layers_in_model(size=64, repeats=2)
     assert len(rows) == 13
-    assert all(r.in_model_ms > 0 and r.alone_ms > 0 for r in rows)
+    assert all(r.in_model_ms > 0 and r.after_model_ms > 0 and r.alone_ms > 0 for r in rows)
 
 
 def test_bench_model_command(tmp_path, capsys):

@@ -127,7 +127,10 @@ def run_bench_model(args: argparse.Namespace) -> int:
     table = bench_model.model_table(rows)
     print(table)
     print()
-    print("each DCN layer of the tvm_deform model: inside the model (eager) against alone")
+    print(
+        "each DCN layer of the tvm_deform model: inside the model (eager) against alone, right "
+        "after each forward and in a loop of its own"
+    )
     layers = bench_model.layer_table(bench_model.layers_in_model(args.size, args.batch))
     print(layers)
     if args.out:
