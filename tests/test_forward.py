@@ -262,6 +262,50 @@ def test_torch_compile_fullgraph(backend):
     assert torch.equal(compiled(**args), deform_conv2d(**args))
 
 
+class _ConvThenDeform(torch.nn.Module):
+    """A conv, then a DCN layer whose offsets and mask come from a conv beside it: the layout of
+    the DCN's input is inductor's to choose."""
+
+    def __init__(self):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.stem = torch.nn.Conv2d(4, 16, 3, padding=1)
+        self.offsets = torch.nn.Conv2d(16, 27, 3, padding=1)
+        self.weight = torch.nn.Parameter(torch.randn(8, 16, 3, 3, generator=generator) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.stem(x).relu()
+        out = self.offsets(y)
+        return deform_conv2d(y, out[:, :18], self.weight, padding=1, mask=out[:, 18:].sigmoid())
+
+
+def test_inductor_passes_its_channels_last_layout_in(monkeypatch):
+    """The op takes any layout (``flexible_layout``): where inductor runs a model in
+    channels_last, the op reads the DCN input in place with its NHWC kernel instead of inductor
+    first copying the input to NCHW."""
+    assert torch.Tag.flexible_layout in torch.ops.tvm_deform.deform_conv2d.default.tags
+    import torch._inductor.config as inductor_config
+
+    model = _ConvThenDeform().eval()
+    x = torch.randn(1, 4, 12, 12)
+    layouts = []
+    get_kernel = kernels.get_kernel
+
+    def spy(shape, target=None, tuned=None, layout="NCHW"):
+        layouts.append(layout)
+        return get_kernel(shape, target, tuned, layout)
+
+    monkeypatch.setattr(kernels, "get_kernel", spy)
+    with torch.inference_mode():
+        expected = model(x)
+        assert layouts == ["NCHW"]
+        patch = dict(freezing=True, force_layout_optimization=True)
+        with inductor_config.patch(patch):
+            compiled = torch.compile(model, backend="inductor")(x)
+    assert layouts[1:] == ["NHWC"]
+    assert_close(compiled, expected, 1e-5, "inductor, channels_last")
+
+
 def test_public_api():
     assert tvm_deform.deform_conv2d is deform_conv2d
     assert "mask" in deform_conv2d.__doc__
