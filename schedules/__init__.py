@@ -54,8 +54,8 @@ def forward_schedule(shape: ConvShape, target: Target, layout: str = "NCHW") -> 
     definition whose sampled columns are rounded to the layer's dtype (what a tensor core
     multiplies; float32 accumulation either way). Any other layer gets the first default rule
     of the plain definition. float32 never runs on tensor cores (no TF32)."""
-    if target.kind.name == "cuda" and shape.dtype in TENSOR_CORE_MIN_ARCH:
-        func = definition.forward(shape, layout, column_dtype=shape.dtype)
+    func = _tensor_core_definition(shape, target, layout)
+    if func is not None:
         sch = TensorCoreCUDA().apply(func, target)
         if sch is not None:
             return sch
@@ -64,7 +64,13 @@ def forward_schedule(shape: ConvShape, target: Target, layout: str = "NCHW") -> 
 
 def runs_on_tensor_cores(shape: ConvShape, target: Target, layout: str = "NCHW") -> bool:
     """Whether :func:`forward_schedule` puts ``shape``'s forward on tensor cores."""
+    func = _tensor_core_definition(shape, target, layout)
+    return func is not None and TensorCoreCUDA().takes(func, target)
+
+
+def _tensor_core_definition(shape: ConvShape, target: Target, layout: str) -> tirx.PrimFunc | None:
+    """The definition the tensor-core rule is tried on (columns in the layer's half dtype), or
+    None where it is never tried: not CUDA, or a dtype tensor cores do not take."""
     if target.kind.name != "cuda" or shape.dtype not in TENSOR_CORE_MIN_ARCH:
-        return False
-    func = definition.forward(shape, layout, column_dtype=shape.dtype)
-    return TensorCoreCUDA().takes(func, target)
+        return None
+    return definition.forward(shape, layout, column_dtype=shape.dtype)

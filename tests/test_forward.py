@@ -262,6 +262,19 @@ def test_torch_compile_fullgraph(backend):
     assert torch.equal(compiled(**args), deform_conv2d(**args))
 
 
+def kernel_layouts(monkeypatch) -> list[str]:
+    """The input layout of every forward kernel looked up from now on, in order."""
+    layouts = []
+    get_kernel = kernels.get_kernel
+
+    def spy(shape, target=None, tuned=None, layout="NCHW"):
+        layouts.append(layout)
+        return get_kernel(shape, target, tuned, layout)
+
+    monkeypatch.setattr(kernels, "get_kernel", spy)
+    return layouts
+
+
 class _ConvThenDeform(torch.nn.Module):
     """A conv, then a DCN layer whose offsets and mask come from a conv beside it: the layout of
     the DCN's input is inductor's to choose."""
@@ -288,14 +301,7 @@ def test_inductor_passes_its_channels_last_layout_in(monkeypatch):
 
     model = _ConvThenDeform().eval()
     x = torch.randn(1, 4, 12, 12)
-    layouts = []
-    get_kernel = kernels.get_kernel
-
-    def spy(shape, target=None, tuned=None, layout="NCHW"):
-        layouts.append(layout)
-        return get_kernel(shape, target, tuned, layout)
-
-    monkeypatch.setattr(kernels, "get_kernel", spy)
+    layouts = kernel_layouts(monkeypatch)
     with torch.inference_mode():
         expected = model(x)
         assert layouts == ["NCHW"]
@@ -343,14 +349,7 @@ CHANNELS_LAST_CASES = [
 def test_channels_last_input_is_sampled_in_place(cfg, nchw_copies, monkeypatch):
     args = make_inputs(cfg, torch.float32)
     expected = torchvision.ops.deform_conv2d(**args)
-    layouts = []
-    get_kernel = kernels.get_kernel
-
-    def spy(shape, target=None, tuned=None, layout="NCHW"):
-        layouts.append(layout)
-        return get_kernel(shape, target, tuned, layout)
-
-    monkeypatch.setattr(kernels, "get_kernel", spy)
+    layouts = kernel_layouts(monkeypatch)
     channels_last = args["input"].contiguous(memory_format=torch.channels_last)
     assert not channels_last.is_contiguous()
     ours = deform_conv2d(**(args | dict(input=channels_last)))
