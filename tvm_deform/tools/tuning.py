@@ -29,6 +29,7 @@ import multiprocessing
 import os
 import platform
 import shutil
+import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -172,12 +173,14 @@ def _measure_task(
     items: list[tuple[ConvShape, str, str, str | None]],
     target_json: str,
     fleet: Fleet | None = None,
+    times_path: str | None = None,
 ) -> None:
     """Measure each ``(shape, op, directory, source)`` with the builder and runner the tuning
     uses (one batch, so the builder's set-up is paid once) and commit the time to the database
     at ``directory``. ``source`` is another machine's database directory, whose best record of
     the kernel is measured, or None for the kernel's default schedule. Runs in a child process.
-    A schedule whose build or run fails is reported and skipped."""
+    A schedule whose build or run fails is reported and skipped. With ``times_path``, the
+    measured milliseconds of each item (None where it failed) are written there as JSON."""
     target = Target(json.loads(target_json))
     schedules = []
     for shape, op, _, source in items:
@@ -199,11 +202,14 @@ def _measure_task(
             continue
         inputs.append(ms.runner.RunnerInput(result.artifact_path, device, infos[index]))
         measured.append(index)
+    times: list[float | None] = [None] * len(items)
     for index, future in zip(measured, runner.run(inputs), strict=True):
         result = future.result()
         if result.error_msg:
             print(f"running a schedule failed: {result.error_msg}", flush=True)
             continue
+        secs = [float(s) for s in result.run_secs]
+        times[index] = sum(secs) / len(secs) * 1e3
         shape, op, directory, _ = items[index]
         db = database(Path(directory))
         workload = db.commit_workload(workload_module(shape, op))
@@ -212,6 +218,8 @@ def _measure_task(
                 schedules[index].trace, workload, result.run_secs, target, infos[index]
             )
         )
+    if times_path is not None:
+        Path(times_path).write_text(json.dumps(times))
 
 
 def records(
@@ -343,12 +351,21 @@ def tune(
     if batch:
         progress(f"measuring {len(batch)} schedule(s) here first (default, other machines' best)")
         items = [item[1:] for item in batch]
-        _run_in_child(context, _measure_task, (items, str(target), fleet), "measuring", progress)
-        for name, shape, op, directory, source in batch:
-            found = records(Path(directory), shape, op)
+        with tempfile.TemporaryDirectory() as scratch:
+            times_path = Path(scratch) / "times.json"
+            _run_in_child(
+                context,
+                _measure_task,
+                (items, str(target), fleet, str(times_path)),
+                "measuring",
+                progress,
+            )
+            times = json.loads(times_path.read_text()) if times_path.exists() else []
+        for index, (name, _, op, directory, source) in enumerate(batch):
             what = "default schedule" if source is None else f"from {source}"
-            time_here = f"{record_ms(found[0]):.3f} ms" if found else "no measurement"
-            progress(f"[{label(name, op)} / {Path(directory).name}] {what}: best {time_here} here")
+            ms = times[index] if index < len(times) else None
+            time_here = "no measurement" if ms is None else f"{ms:.3f} ms"
+            progress(f"[{label(name, op)} / {Path(directory).name}] {what}: {time_here} here")
     runs = [
         (name, op, space)
         for name, op in tasks
