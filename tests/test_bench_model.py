@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tvm_deform.tools import bench_model
+from tvm_deform.tools.bench import Timing
 from tvm_deform.tools.cli import main
 from tvm_deform.tools.suite import load_suite
 
@@ -72,3 +73,27 @@ def test_bench_model_command(tmp_path, capsys):
     for row in ("torch + torchvision", "torch + tvm_deform", "torch + dense conv2d in place"):
         assert f"| {row} |" in out
     assert (tmp_path / "bench-model.md").exists()
+
+
+def test_dcn_cost_table_subtracts_each_runtimes_dense_row():
+    timing = lambda ms: Timing(ms, ms, ms, 1)  # noqa: E731
+    rows = [
+        bench_model.ModelRow("torch + tvm_deform", timing(120.0), 1e-6),
+        bench_model.ModelRow("torch + dense conv2d in place", timing(100.0), None),
+        bench_model.ModelRow("onnxruntime (whole model)", timing(90.0), 1e-6),
+        bench_model.ModelRow("onnxruntime" + bench_model.DENSE, timing(70.5), None),
+        bench_model.ModelRow("openvino (whole model)", None, None, "failed: ..."),
+    ]
+    table = bench_model.dcn_cost_table(rows)
+    assert "| torch, tvm_deform | 120.0 | 100.0 | 20.0 |" in table
+    assert "| onnxruntime | 90.0 | 70.5 | 19.5 |" in table
+    assert "openvino" not in table and "torch.compile" not in table  # rows it does not have
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("onnxruntime"), reason="needs onnxruntime")
+def test_peers_also_run_the_dense_variant():
+    rows = bench_model.run(size=32, compiled=False, peers=("onnxruntime",), runs=2, log=print)
+    by_name = {r.implementation: r for r in rows}
+    assert by_name["onnxruntime (whole model)"].timing is not None
+    assert by_name["onnxruntime (whole model)"].error < 1e-4
+    assert by_name["onnxruntime" + bench_model.DENSE].timing is not None

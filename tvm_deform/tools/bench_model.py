@@ -27,6 +27,8 @@ from tvm_deform.tools.bench import ROUNDS, Timing, combine, measure, relative_er
 
 #: implementation name -> the deform_conv2d it calls (torchvision's imported lazily)
 IMPLEMENTATIONS = ("torchvision", "tvm_deform", "dense")
+#: the label suffix of a peer's row on the dense variant
+DENSE = ", dense conv2d in place"
 
 
 def _deform_function(implementation: str) -> Callable[..., torch.Tensor]:
@@ -222,15 +224,19 @@ def run(
         for name in IMPLEMENTATIONS:
             label = "torch + dense conv2d in place" if name == "dense" else f"torch + {name}"
             candidates[f"{label}, torch.compile"] = _compiled(models[name], x)
+    # Each peer also runs the dense variant, so that what the DCN layers cost each runtime can
+    # be told apart from how fast it runs the rest of the network.
     for peer in peers:
-        try:
-            runner = {"onnxruntime": onnxruntime_runner, "openvino": openvino_runner}[peer](
-                models["torchvision"], x, threads
-            )
-        except Exception as error:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
-            rows.append(ModelRow(peer, None, None, f"failed: {type(error).__name__}: {error}"))
-            continue
-        candidates[f"{peer} (whole model)"] = lambda r=runner: r(x)
+        for name, label in (("torchvision", f"{peer} (whole model)"), ("dense", peer + DENSE)):
+            try:
+                runner = {"onnxruntime": onnxruntime_runner, "openvino": openvino_runner}[peer](
+                    models[name], x, threads
+                )
+            except Exception as error:  # noqa: BLE001 - a peer that cannot run is reported
+                note = f"failed: {type(error).__name__}: {error}"
+                rows.append(ModelRow(label, None, None, note))
+                continue
+            candidates[label] = lambda r=runner: r(x)
     errors = {}
     for label, fn in candidates.items():
         with torch.inference_mode():
@@ -345,6 +351,37 @@ def model_table(rows: list[ModelRow]) -> str:
             f"| {row.implementation} | {t.median_ms:.1f} | {t.p20_ms:.1f}-{t.p80_ms:.1f} "
             f"| {speedup} | {ratio} | {error} |"
         )
+    return "\n".join(lines)
+
+
+#: (row with the DCN layers, the same runtime's row with dense conv2d in place, what it is)
+DCN_COST_PAIRS = (
+    ("torch + torchvision", "torch + dense conv2d in place", "torch, torchvision's op"),
+    ("torch + tvm_deform", "torch + dense conv2d in place", "torch, tvm_deform"),
+    (
+        "torch + tvm_deform, torch.compile",
+        "torch + dense conv2d in place, torch.compile",
+        "torch.compile, tvm_deform",
+    ),
+    ("onnxruntime (whole model)", "onnxruntime" + DENSE, "onnxruntime"),
+    ("openvino (whole model)", "openvino" + DENSE, "openvino"),
+)
+
+
+def dcn_cost_table(rows: list[ModelRow]) -> str:
+    """What the DCN layers (each with its offset conv and sigmoid) add to each runtime: its
+    time with them minus its time with a dense conv2d in their place."""
+    times = {r.implementation: r.timing.median_ms for r in rows if r.timing is not None}
+    lines = [
+        "| runtime | with DCN ms | dense conv2d in place ms | what the DCN layers add ms |",
+        "|---|---:|---:|---:|",
+    ]
+    for with_dcn, dense, name in DCN_COST_PAIRS:
+        if with_dcn in times and dense in times:
+            lines.append(
+                f"| {name} | {times[with_dcn]:.1f} | {times[dense]:.1f} "
+                f"| {times[with_dcn] - times[dense]:.1f} |"
+            )
     return "\n".join(lines)
 
 

@@ -127,6 +127,10 @@ def run_bench_model(args: argparse.Namespace) -> int:
     table = bench_model.model_table(rows)
     print(table)
     print()
+    print("what the DCN layers (with their offset convs) add to each runtime")
+    costs = bench_model.dcn_cost_table(rows)
+    print(costs)
+    print()
     print(
         "each DCN layer of the tvm_deform model: inside the model (eager) against alone, right "
         "after each forward and in a loop of its own"
@@ -136,7 +140,7 @@ def run_bench_model(args: argparse.Namespace) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "bench-model.md").write_text(table + "\n\n" + layers + "\n")
+        (out / "bench-model.md").write_text("\n\n".join([table, costs, layers]) + "\n")
         print(f"wrote {out / 'bench-model.md'}")
     failed = [r for r in rows if r.error is not None and r.error > 1e-4]
     for row in failed:
