@@ -363,8 +363,8 @@ def tune(
             times = json.loads(times_path.read_text()) if times_path.exists() else []
         for index, (name, _, op, directory, source) in enumerate(batch):
             what = "default schedule" if source is None else f"from {source}"
-            ms = times[index] if index < len(times) else None
-            time_here = "no measurement" if ms is None else f"{ms:.3f} ms"
+            time_ms = times[index] if index < len(times) else None
+            time_here = "no measurement" if time_ms is None else f"{time_ms:.3f} ms"
             progress(f"[{label(name, op)} / {Path(directory).name}] {what}: {time_here} here")
     runs = [
         (name, op, space)
