@@ -53,3 +53,22 @@ def test_commands_run(command, capsys):
     assert main(command) == 0
     out = capsys.readouterr().out
     assert ("hardware key" in out) if command == ["info"] else ("4336" in out)
+
+
+def test_info_names_compatible_logs_newer_than_the_own(tmp_path, monkeypatch, capsys):
+    import json
+
+    from tvm_deform.runtime import targets
+
+    target = targets.host_target()
+    own, other = targets.hardware_key(target), "llvm/elsewhere"
+    for key, date in ((own, "2000-01-01"), (other, "2000-02-01")):
+        (tmp_path / key).mkdir(parents=True)
+        manifest = {"target": str(target), "isa": targets.target_isa(target), "date": date}
+        (tmp_path / key / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setenv("TVM_DEFORM_LOGS", str(tmp_path))
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"{tmp_path}: {own} (2000-01-01), {other} (2000-02-01)" in out
+    (hint,) = [line for line in out.splitlines() if "newer than this machine's own logs" in line]
+    assert other in hint.split(":")[0]  # the shipped logs of other keys may be named beside it

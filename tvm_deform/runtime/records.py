@@ -194,6 +194,11 @@ def _manifest(key_dir: Path) -> dict:
         return {}
 
 
+def logs_date(key_dir: Path) -> str | None:
+    """The date (ISO) on which the logs of one hardware key were written, from their manifest."""
+    return _manifest(key_dir).get("date")
+
+
 def manifest_isa(manifest: dict) -> str | None:
     """The vector ISA a manifest's machine had (older manifests name only the vector width)."""
     if "isa" in manifest:

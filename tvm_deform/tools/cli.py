@@ -236,16 +236,26 @@ def run_info(args: argparse.Namespace) -> int:
     print(f"kernel cache:  {cache} ({'on' if env.cache_enabled() else 'off'})")
     tuned = "on" if env.tuned_enabled() else "off (TVM_DEFORM_TUNED=0)"
     print(f"tuning logs:   {tuned}")
-    own = False
+    dates: dict[str, str] = {}  # hardware key -> date of its logs in the first root holding them
     for root in records.log_roots():
         keys = [k for k in records.candidate_keys(root, target, key) if (root / k).is_dir()]
-        own = own or key in keys
-        print(f"  {root}: {', '.join(keys) if keys else 'nothing for this machine'}")
-    if not own:
+        for k in keys:
+            dates.setdefault(k, records.logs_date(root / k) or "")
+        shown = ", ".join(f"{k} ({records.logs_date(root / k) or 'undated'})" for k in keys)
+        print(f"  {root}: {shown or 'nothing for this machine'}")
+    if key not in dates:
         print(
             f"  no logs of this machine's own ({key}): records of compatible machines are timed "
             "here against the default at a shape's first use (`tvm-deform tune` writes own logs)"
         )
+    else:
+        newer = sorted(k for k, date in dates.items() if k != key and date > dates[key])
+        if newer:
+            print(
+                f"  {', '.join(newer)}: newer than this machine's own logs, whose choices dispatch "
+                "keeps; `tvm-deform tune --trials 0 --work-dir NEW_DIR` times their records here "
+                "and keeps what wins"
+            )
     print("environment variables (value here, or unset):")
     for name, description in env.VARIABLES.items():
         value = os.environ.get(name)
