@@ -336,6 +336,55 @@ def _choose(sch: s_tir.Schedule, candidates: list[int], fallback: int):
     return sch.sample_categorical(candidates, [1.0 / len(candidates)] * len(candidates))
 
 
+def apply_split_output_structure(
+    sch: s_tir.Schedule,
+    lanes: int,
+    out_block: int,
+    block_vectors: int,
+    k_channels: int,
+    parts: int = 2,
+) -> None:
+    """Schedule the forward PrimFunc in ``sch`` for a small map with many channels, where the
+    other structures' pixel tiles waste the most on padding (a 10x10 map is padded to 128
+    pixels for them). The columns of the whole map are sampled first, channels-last and in
+    parallel; then the GEMM runs in parallel over ``parts`` slices of the output channels,
+    blocked along the reduction by ``k_channels`` input channels (one block of columns stays in
+    cache while every output block of the slice uses it), with an ``out_block`` x
+    ``block_vectors`` register block of vectors of ``lanes`` pixels. It needs no pixel tile, so
+    the PrimFunc may pad its pixels to a multiple of ``lanes`` only
+    (``definition.forward(..., pixel_quantum=lanes)``). The factors must divide their axes.
+
+    Not used by the default or the design spaces yet: ``tools/small_maps.py`` times it against
+    the default."""
+    layer = Layer.of(sch)
+    conv = sch.get_sblock("conv")
+    columns = sch.get_sblock("columns")
+    output = sch.get_sblock("output")
+    for name in GEOMETRY:
+        block = sch.get_sblock(name)
+        *outer, inner = sch.get_loops(block)
+        if outer:
+            sch.parallel(sch.fuse(*outer))
+        sch.vectorize(inner)
+    channels_last_input(sch, columns)
+    _vectorise_along_channels(sch, columns, layer, layer.pixels)
+    *outer, _ = sch.get_loops(columns)
+    sch.parallel(sch.fuse(*outer))
+
+    n, o, p, rc, rk = sch.get_loops(conv)
+    o_part, o_mid, o_inner = sch.split(o, [parts, None, out_block])
+    p_block, p_vector, p_lane = sch.split(p, [None, block_vectors, lanes])
+    rc_outer, rc_inner = sch.split(rc, [None, k_channels])
+    sch.reorder(n, o_part, rc_outer, o_mid, p_block, rc_inner, rk, p_vector, o_inner, p_lane)
+    sch.parallel(sch.fuse(n, o_part))
+    sch.unroll(p_vector)
+    sch.unroll(o_inner)
+    sch.vectorize(p_lane)
+    sch.decompose_reduction(conv, rc_outer)
+    *outer, _ = sch.get_loops(output)
+    sch.parallel(sch.fuse(*outer))
+
+
 def apply_structure(
     sch: s_tir.Schedule, pixel_factors: list, out_factors: list, channels_last: bool = False
 ) -> None:

@@ -19,6 +19,7 @@ from tvm_deform.schedules.cpu import (
     Layer,
     apply_inline_structure,
     apply_output_channel_structure,
+    apply_split_output_structure,
     apply_structure,
     largest_divisor,
 )
@@ -118,6 +119,39 @@ def test_default_output_channel_structure_matches_torchvision():
     )
     assert "weight_global" in blocks(sch)
     check(sch, OUTPUT_CHANNEL_LAYER)
+
+
+def split_output(cfg: dict, lanes: int = 8) -> s_tir.Schedule:
+    """The split-output structure on ``cfg``'s PrimFunc with its pixels padded to a multiple of
+    ``lanes`` (fewer lanes where a map of at most ``lanes`` pixels is not padded at all)."""
+    sch = s_tir.Schedule(definition.forward(shape_of(cfg), pixel_quantum=lanes))
+    layer = Layer.of(sch)
+    lanes = largest_divisor(layer.pixels, lanes)
+    parts = largest_divisor(layer.out_channels, 2)
+    apply_split_output_structure(
+        sch,
+        lanes,
+        out_block=largest_divisor(layer.out_channels // parts, 4),
+        block_vectors=largest_divisor(layer.pixels // lanes, 3),
+        k_channels=largest_divisor(layer.in_per_group, 4),
+        parts=parts,
+    )
+    return sch
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[:8] + WIDE_CONFIGS, ids=lambda cfg: None)
+def test_split_output_structure_matches_torchvision(cfg):
+    check(split_output(cfg), cfg)
+
+
+def test_split_output_structure_pads_less():
+    # A 10x10 map: 112 pixels for a quantum of 16 (a vector of float32 on AVX-512), not 128.
+    shape = ConvShape(1, 16, 10, 10, 16, 3, 3, pad_h=1, pad_w=1)
+    assert Layer.of(s_tir.Schedule(definition.forward(shape))).pixels == 128
+    assert Layer.of(s_tir.Schedule(definition.forward(shape, pixel_quantum=16))).pixels == 112
+    cfg = dict(n=1, c=16, h=10, w=10, o=16, kh=3, kw=3, stride=(1, 1), padding=(1, 1))
+    cfg |= dict(dilation=(1, 1), groups=1, offset_groups=1, use_mask=True, use_bias=True)
+    check(split_output(cfg, lanes=16), cfg)
 
 
 def inline(sch: s_tir.Schedule, pixels: int = 8, channels: int = 16) -> s_tir.Schedule:

@@ -87,11 +87,11 @@ def _prim_func(tensors: list[te.Tensor], symbol: str) -> tirx.PrimFunc:
     return func.with_attr("global_symbol", symbol)
 
 
-def padded_pixels(pixels: int) -> int:
+def padded_pixels(pixels: int, quantum: int = PIXEL_QUANTUM) -> int:
     """The pixel count the inner stages run over (unchanged up to one quantum)."""
-    if pixels <= PIXEL_QUANTUM:
+    if pixels <= quantum:
         return pixels
-    return -(-pixels // PIXEL_QUANTUM) * PIXEL_QUANTUM
+    return -(-pixels // quantum) * quantum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,13 +184,19 @@ class _Sampling:
     """The sampling geometry of ``shape`` as TE expressions over the offset and mask tensors,
     shared by the forward and backward definitions."""
 
-    def __init__(self, shape: ConvShape, offset: te.Tensor, mask: te.Tensor | None):
+    def __init__(
+        self,
+        shape: ConvShape,
+        offset: te.Tensor,
+        mask: te.Tensor | None,
+        quantum: int = PIXEL_QUANTUM,
+    ):
         self.shape = shape
         self.offset = offset
         self.mask = mask
         self.acc = shape.accumulator_dtype
         self.pixels = shape.out_h * shape.out_w
-        self.padded = padded_pixels(self.pixels)
+        self.padded = padded_pixels(self.pixels, quantum)
 
     def source(self, p):
         """The real pixel a (possibly padding) pixel index reads its offset and mask from."""
@@ -372,18 +378,21 @@ LAYOUTS = ("NCHW", "NHWC")
 
 
 def forward_tensors(
-    shape: ConvShape, layout: str = "NCHW", column_dtype: str | None = None
+    shape: ConvShape,
+    layout: str = "NCHW",
+    column_dtype: str | None = None,
+    pixel_quantum: int = PIXEL_QUANTUM,
 ) -> list[te.Tensor]:
     """The TE tensors of the forward op: the inputs (the input in ``layout``) followed by the
-    output. ``column_dtype``: see :func:`forward`."""
+    output. ``column_dtype`` and ``pixel_quantum``: see :func:`forward`."""
     dtype, acc = shape.dtype, shape.accumulator_dtype
     pixels = shape.out_h * shape.out_w
-    padded = padded_pixels(pixels)
+    padded = padded_pixels(pixels, pixel_quantum)
     weight_in = shape.in_channels // shape.weight_groups
     out_per_group = shape.out_channels // shape.weight_groups
 
     data, offset, mask, weight, bias = _placeholders(shape, layout)
-    sampling = _Sampling(shape, offset, mask)
+    sampling = _Sampling(shape, offset, mask, pixel_quantum)
     columns = _columns(shape, data, sampling.geometry(select=True), padded, layout, column_dtype)
 
     def column(n, o, rc, rk, p):
@@ -414,7 +423,10 @@ def forward_tensors(
 
 
 def forward(
-    shape: ConvShape, layout: str = "NCHW", column_dtype: str | None = None
+    shape: ConvShape,
+    layout: str = "NCHW",
+    column_dtype: str | None = None,
+    pixel_quantum: int = PIXEL_QUANTUM,
 ) -> tirx.PrimFunc:
     """The forward PrimFunc of ``shape``, unscheduled, named ``deform_conv2d``.
 
@@ -429,10 +441,15 @@ def forward(
     in its own dtype, as torchvision's CUDA kernel keeps them, is what a tensor core's float16 x
     float16 -> float32 multiply-add takes. None (the default) keeps them in the accumulator
     dtype.
+
+    ``pixel_quantum`` is the multiple the pixel axis of the stages before the output is padded
+    to. Every kernel the package builds uses ``PIXEL_QUANTUM``; a smaller one wastes less on
+    small maps (a 10x10 map is padded to 112 pixels with 16, to 128 with 64), for schedules
+    that do not need tiles of up to 64 pixels (``tools/small_maps.py`` times one).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    tensors = forward_tensors(shape, layout, column_dtype)
+    tensors = forward_tensors(shape, layout, column_dtype, pixel_quantum)
     func = _prim_func(tensors, "deform_conv2d")
     return func.with_attr("data_layout", layout) if layout != "NCHW" else func
 
