@@ -30,6 +30,10 @@ output channels and unrolled along a few pixels, each column value is a broadcas
 is repacked once per call to ``[channel, tap, output channel]`` so that its vectors are
 contiguous. The repacking costs one pass over the weight, so the default uses the structure where
 the weight is small and the output map large (the 64- and 128-channel layers).
+
+The **split-output structure** (:func:`apply_split_output_structure`) is for small maps with many
+channels, which the pixel tiles pad the most; it is not used by the default or the design spaces
+yet.
 """
 
 from __future__ import annotations
