@@ -445,7 +445,7 @@ def forward(
     ``pixel_quantum`` is the multiple the pixel axis of the stages before the output is padded
     to. Every kernel the package builds uses ``PIXEL_QUANTUM``; a smaller one wastes less on
     small maps (a 10x10 map is padded to 112 pixels with 16, to 128 with 64), for schedules
-    that do not need tiles of up to 64 pixels (``tools/small_maps.py`` times one).
+    that do not need tiles of up to 64 pixels (``schedules.cpu.apply_split_output_structure``).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
