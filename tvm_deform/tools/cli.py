@@ -239,9 +239,10 @@ def run_info(args: argparse.Namespace) -> int:
     dates: dict[str, str] = {}  # hardware key -> date of its logs in the first root holding them
     for root in records.log_roots():
         keys = [k for k in records.candidate_keys(root, target, key) if (root / k).is_dir()]
-        for k in keys:
-            dates.setdefault(k, records.logs_date(root / k) or "")
-        shown = ", ".join(f"{k} ({records.logs_date(root / k) or 'undated'})" for k in keys)
+        here = {k: records.logs_date(root / k) or "" for k in keys}
+        for k, date in here.items():
+            dates.setdefault(k, date)
+        shown = ", ".join(f"{k} ({date or 'undated'})" for k, date in here.items())
         print(f"  {root}: {shown or 'nothing for this machine'}")
     if key not in dates:
         print(
