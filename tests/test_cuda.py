@@ -446,6 +446,33 @@ def test_gpu_session_times_the_defaults_before_tuning(tmp_path, monkeypatch):
     assert "| seed | float32 | 2.000 | 2.000 | 1.000 |" in table and "2.00x" in table
 
 
+def test_gpu_session_table_survives_a_call_killed_while_tuning(tmp_path, monkeypatch):
+    # A device call that runs out of time is killed: the table of the rows timed before the
+    # tuning must already be on disk.
+    from tvm_deform.tools import gpu_session
+
+    def time_layers(layers, device, dtypes, on_row, tuned=False):
+        row = {"layer": "seed", "dtype": "float32", "implementation": "torchvision"}
+        on_row(row | {"error": 0.0, "median_ms": 2.0})
+        on_row(row | {"implementation": "tvm_deform default", "error": 0.0, "median_ms": 1.0})
+        return []
+
+    def killed(*args):
+        raise KeyboardInterrupt  # stands for the kill: nothing after it runs
+
+    monkeypatch.setattr(gpu_session, "time_layers", time_layers)
+    monkeypatch.setattr(gpu_session, "tune_suite", killed)
+    monkeypatch.setattr(gpu_session, "first_kernel", lambda device: {"passed": True})
+    monkeypatch.setattr(gpu_session, "build_kernels", lambda shapes, device: {})
+    monkeypatch.setattr(gpu_session, "check_correctness", lambda device, count: [])
+    monkeypatch.setattr(gpu_session, "check_gradients", lambda device: [])
+    argv = ["--out", str(tmp_path), "--device", "cpu", "--quick", "--trials", "1"]
+    with pytest.raises(KeyboardInterrupt):
+        gpu_session.main(argv)
+    table = (tmp_path / "gpu_results.md").read_text()
+    assert "| seed | float32 | 2.000 | 1.000 |" in table and "2.00x" in table
+
+
 def test_gpu_session_keeps_timing_when_an_implementation_fails(monkeypatch):
     # As torchvision's CUDA op in bfloat16: the row records the failure, the others are timed.
     from tvm_deform.tools import gpu_session

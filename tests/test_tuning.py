@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,6 +134,49 @@ def test_a_tune_without_its_work_directory_starts_from_the_logs(tuned, tmp_path,
     # The progress gives each source's own time here, not the best of the database so far.
     source = out / key / "handwritten"
     assert f"[tiny / handwritten] from {source}: {records.record_ms(seeded):.3f} ms here" in lines
+
+
+def test_a_time_limit_stops_the_tuning(tmp_path):
+    # A limit that has passed before the first measurement ends: the measuring is stopped, the
+    # search skipped, and tune() returns with nothing tuned.
+    lines = []
+    results = tune({"tiny": TINY}, 8, tmp_path / "work", progress=lines.append, time_limit=0)
+    assert results == []
+    assert "measuring: stopped at the time limit" in lines
+    assert "[tiny / handwritten] skipped: the time limit has passed" in lines
+
+
+def test_a_child_stopped_at_its_deadline_takes_its_processes_and_torn_line_with_it(tmp_path):
+    import multiprocessing
+    import subprocess
+    import time
+
+    from tvm_deform.tools.tuning import _run_in_child
+
+    # The child starts a process of its own, writes a line and a half to a database file and
+    # waits, as a tuning task stopped while its builder's workers run and it commits a record.
+    script = (
+        f"cd {tmp_path}; sleep 60 & echo $! > pid; "
+        'printf \'["a whole line"]\\n["half a li\' > database_tuning_record.json; wait'
+    )
+    lines = []
+    began = time.monotonic()
+    finished = _run_in_child(
+        multiprocessing.get_context("spawn"),
+        subprocess.run,
+        (["bash", "-c", script],),
+        "sleeping",
+        lines.append,
+        deadline=began + 5,
+        databases=[tmp_path],
+    )
+    assert not finished and lines == ["sleeping: stopped at the time limit"]
+    assert time.monotonic() - began < 20
+    assert (tmp_path / "database_tuning_record.json").read_text() == '["a whole line"]\n'
+    # The grandchild was killed with its parent's process group: gone, or a zombie left to init.
+    stat = Path(f"/proc/{(tmp_path / 'pid').read_text().strip()}/stat")
+    time.sleep(0.5)
+    assert not stat.exists() or stat.read_text().split(")")[1].split()[0] == "Z"
 
 
 def without_default(out, tmp_path):

@@ -300,6 +300,7 @@ def run_tune(args: argparse.Namespace) -> int:
         ops=ops,
         transfer=not args.no_transfer,
         fleet=fleet,
+        time_limit=None if args.time_limit is None else args.time_limit * 60,
     )
     if logs_dir is not None:
         print(f"pruned logs written under {logs_dir}")
@@ -468,6 +469,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-transfer",
         action="store_true",
         help="do not start from the records of other machines' logs (same ISA)",
+    )
+    tune.add_argument(
+        "--time-limit",
+        type=float,
+        metavar="MINUTES",
+        help="stop measuring and searching after this long, keeping what was found",
     )
     report = sub.add_parser(
         "tune-report", help="best time against trials spent, from the tuning work directory"

@@ -316,25 +316,28 @@ def tuning_order(layers: dict[str, ConvShape]) -> dict[str, ConvShape]:
 def tune_suite(
     layers: dict[str, ConvShape], trials: int, seconds: float, work: Path, device: str = "cuda"
 ) -> dict:
-    """Tune ``layers`` for this GPU (or this CPU) in the generic space until ``seconds`` have
-    passed; returns the per-task results and writes the pruned logs under ``work / "logs"``."""
+    """Tune ``layers`` for this GPU (or this CPU) in the generic space, one after another,
+    until ``seconds`` have passed (the layer being tuned then is stopped, keeping the records
+    it has); returns the per-task results and writes the pruned logs under ``work / "logs"``."""
     from tvm_deform.tools.tuning import tune
 
     target = targets.cuda_target(_arch()) if device == "cuda" else targets.host_target()
     started, done = time.monotonic(), {}
     for name, shape in layers.items():
-        if time.monotonic() - started > seconds:
+        left = seconds - (time.monotonic() - started)
+        if left <= 0:
             done[name] = "skipped: out of tuning time"
             continue
-        (result,) = tune(
+        results = tune(
             {name: shape},
             trials,
             work / "work",
             spaces=("generic",),
             target=target,
             logs_dir=work / "logs",
+            time_limit=left,
         )
-        done[name] = dataclasses.asdict(result)
+        done[name] = dataclasses.asdict(results[0]) if results else "skipped: out of tuning time"
     return done
 
 
@@ -426,6 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         partial.append(row)
         results["time_so_far"] = partial
         path.write_text(json.dumps(results, indent=1, default=str))
+        _write_table(partial, out / "gpu_results.md")
 
     # torchvision, our default kernels and conv2d first, before the tuning, whose length is
     # the least certain: the comparison that matters most lands whatever the tuning does.
@@ -454,14 +458,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         results.pop("time_so_far", None)
         path.write_text(json.dumps(results, indent=1, default=str))
     if partial:
-        table = markdown(partial)
-        speedup = speedup_over_torchvision(partial)
-        summary = "-" if speedup is None else f"{speedup:.2f}x"
-        (out / "gpu_results.md").write_text(
-            f"{table}\n\nfloat32 geometric-mean speed-up over torchvision: {summary}\n"
-        )
-        print(table)
+        print(markdown(partial))
     return 0 if all(r.get("ok") for r in results.values() if isinstance(r, dict)) else 1
+
+
+def _write_table(rows: list[dict], path: Path) -> None:
+    """The timing rows so far as a markdown table, with the float32 speed-up over torchvision
+    (rewritten after each row, so that a call cut short keeps the table)."""
+    speedup = speedup_over_torchvision(rows)
+    summary = "-" if speedup is None else f"{speedup:.2f}x"
+    path.write_text(
+        f"{markdown(rows)}\n\nfloat32 geometric-mean speed-up over torchvision: {summary}\n"
+    )
 
 
 def _use_logs(logs: Path) -> None:

@@ -29,6 +29,7 @@ import multiprocessing
 import os
 import platform
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Iterable
@@ -312,10 +313,15 @@ def tune(
     measure_default: bool = True,
     transfer: bool = True,
     fleet: Fleet | None = None,
+    time_limit: float | None = None,
 ) -> list[TaskResult]:
     """Tune every workload's ``ops`` kernels in every space for ``trials`` more trials,
     resuming from ``work_dir`` (``trials=0`` tunes nothing); then, if ``logs_dir`` is given,
     write the pruned logs there.
+
+    With ``time_limit`` (seconds), the measuring and the search stop when it has passed: the
+    task running then is stopped with every process it started, the tasks after it are
+    skipped, and the records committed so far are kept (and written to ``logs_dir``).
 
     Before the search, one batch measures on this machine, with the tuning's own builder and
     runner: with ``measure_default``, each kernel's default schedule (into the ``default``
@@ -345,6 +351,7 @@ def tune(
         for op in ops:
             _space_generator(space, op, target)  # reject an unknown space or op before any work
     started = time.monotonic()
+    deadline = None if time_limit is None else started + time_limit
     batch = _first_measurements(
         workloads, tasks, spaces, target, Path(work_dir), measure_default, transfer
     )
@@ -359,6 +366,8 @@ def tune(
                 (items, str(target), fleet, str(times_path)),
                 "measuring",
                 progress,
+                deadline,
+                [item[2] for item in items],
             )
             times = json.loads(times_path.read_text()) if times_path.exists() else []
         for index, (name, _, op, directory, source) in enumerate(batch):
@@ -377,6 +386,9 @@ def tune(
         shape = workloads[name]
         task = label(name, op)
         directory = Path(work_dir) / key / space
+        if deadline is not None and time.monotonic() >= deadline:
+            progress(f"[{task} / {space}] skipped: the time limit has passed")
+            continue
         before = count_records(directory, shape, op)
         progress(
             f"[{task} / {space}] tuning {trials} trials ({before} already done); "
@@ -388,6 +400,8 @@ def tune(
             (name, shape, space, str(target), trials, str(directory), op, fleet),
             f"[{task} / {space}] tuning",
             progress,
+            deadline,
+            [directory],
         )
         found = records(directory, shape, op)
         best_ms = record_ms(found[0]) if found else None
@@ -478,19 +492,59 @@ def _first_measurements(
     return batch
 
 
-def _run_in_child(context, function, args: tuple, what: str, progress) -> None:
+def _run_in_child(
+    context,
+    function,
+    args: tuple,
+    what: str,
+    progress,
+    deadline: float | None = None,
+    databases: Iterable[Path] = (),
+) -> bool:
     """Run ``function(*args)`` in a child process, retried once if it crashes (MetaSchedule has
-    been seen to segfault while setting up; records already written survive)."""
+    been seen to segfault while setting up; records already written survive). At ``deadline``
+    (a ``time.monotonic()`` value) the child is killed with every process it started (the
+    builder's and runner's workers), a partial line it was writing to one of ``databases`` is
+    cut off, and False is returned."""
     for attempt in range(2):
-        process = context.Process(target=function, args=args)
+        process = context.Process(target=_in_own_process_group, args=(function, args))
         process.start()
-        process.join()
+        process.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if process.exitcode is None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended between the join and the kill
+                pass
+            process.join()
+            for directory in databases:
+                _drop_torn_lines(Path(directory))
+            progress(f"{what}: stopped at the time limit")
+            return False
         if process.exitcode == 0:
-            return
+            return True
         progress(
             f"{what}: process exited with {process.exitcode}; "
             + ("retrying" if attempt == 0 else "giving up on this task")
         )
+    return True
+
+
+def _in_own_process_group(function, args: tuple) -> None:
+    """A child's entry point: ``function(*args)`` in a process group of its own, so that the
+    parent can stop it together with the processes it starts."""
+    os.setpgrp()
+    function(*args)
+
+
+def _drop_torn_lines(directory: Path) -> None:
+    """Cut a database file of one JSON record per line back to its last whole line: a process
+    killed while appending leaves a partial line, which would stop the database from loading."""
+    if not directory.is_dir():
+        return
+    for path in directory.glob("*.json"):
+        text = path.read_text()
+        if text and not text.endswith("\n"):
+            path.write_text(text[: text.rfind("\n") + 1])
 
 
 def _minutes(seconds: float) -> str:
