@@ -509,15 +509,15 @@ def _run_in_child(
     for attempt in range(2):
         process = context.Process(target=_in_own_process_group, args=(function, args))
         process.start()
-        process.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        try:
+            process.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except BaseException:
+            # Ctrl-C reaches this process only (the child has a group of its own): take the
+            # child's group down with it.
+            _stop(process, databases)
+            raise
         if process.exitcode is None:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:  # it ended between the join and the kill
-                pass
-            process.join()
-            for directory in databases:
-                _drop_torn_lines(Path(directory))
+            _stop(process, databases)
             progress(f"{what}: stopped at the time limit")
             return False
         if process.exitcode == 0:
@@ -527,6 +527,19 @@ def _run_in_child(
             + ("retrying" if attempt == 0 else "giving up on this task")
         )
     return True
+
+
+def _stop(process, databases: Iterable[Path]) -> None:
+    """Kill ``process`` (started by :func:`_run_in_child`) and every process of its group, then
+    cut off a line it left half-written in ``databases``."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        # No group yet: the child has not reached setpgrp(), so it has started nothing.
+        process.kill()
+    process.join()
+    for directory in databases:
+        _drop_torn_lines(Path(directory))
 
 
 def _in_own_process_group(function, args: tuple) -> None:
