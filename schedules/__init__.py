@@ -14,7 +14,7 @@ from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm_deform.schedules.cpu import DefaultCPU
 from tvm_deform.schedules.cpu_backward import DefaultCPUBackward, DefaultCPUGradInput
-from tvm_deform.schedules.cuda import DefaultCUDA
+from tvm_deform.schedules.cuda import DefaultCUDA, SplitReductionCUDA
 from tvm_deform.schedules.cuda_backward import DefaultCUDABackward, DefaultCUDAGradInput
 from tvm_deform.schedules.cuda_tensor_core import MIN_ARCH as TENSOR_CORE_MIN_ARCH
 from tvm_deform.schedules.cuda_tensor_core import TensorCoreCUDA
@@ -27,7 +27,8 @@ from tvm_deform.ir.definition import ConvShape
 #: input's) and "grad_input" (the input's scatter).
 DEFAULT_RULES = {
     ("forward", "llvm"): (DefaultCPU,),
-    ("forward", "cuda"): (DefaultCUDA,),
+    # A layer with too few output tiles to fill a GPU gets its reduction split over blocks.
+    ("forward", "cuda"): (SplitReductionCUDA, DefaultCUDA),
     ("backward", "llvm"): (DefaultCPUBackward,),
     ("grad_input", "llvm"): (DefaultCPUGradInput,),
     ("backward", "cuda"): (DefaultCUDABackward,),
@@ -66,6 +67,14 @@ def runs_on_tensor_cores(shape: ConvShape, target: Target, layout: str = "NCHW")
     """Whether :func:`forward_schedule` puts ``shape``'s forward on tensor cores."""
     func = _tensor_core_definition(shape, target, layout)
     return func is not None and TensorCoreCUDA().takes(func, target)
+
+
+def split_parts(shape: ConvShape, target: Target, layout: str = "NCHW") -> int:
+    """Into how many parts :func:`forward_schedule` splits ``shape``'s reduction over thread
+    blocks (:class:`.cuda.SplitReductionCUDA`); 1 where it does not."""
+    if target.kind.name != "cuda" or runs_on_tensor_cores(shape, target, layout):
+        return 1
+    return SplitReductionCUDA().split_parts(definition.forward(shape, layout))
 
 
 def _tensor_core_definition(shape: ConvShape, target: Target, layout: str) -> tirx.PrimFunc | None:

@@ -110,28 +110,36 @@ class DefaultCUDA:
         self._bind(sch, ty, "threadIdx.y")
         self._bind(sch, tx, "threadIdx.x")
 
-    def _gemm(self, sch: s_tir.Schedule, threads_o: int, regs_o: int) -> None:
-        conv = sch.get_sblock("conv")
+    def _gemm(self, sch: s_tir.Schedule, threads_o: int, regs_o: int, block: str = "conv") -> None:
+        """Tile the GEMM ``block``: ``conv`` itself, whose epilogue then runs from the
+        registers, or the partial sums of a split reduction (``conv_rf``, with the part as its
+        fourth loop), each part a thread block of its own, written back from the registers."""
+        conv = sch.get_sblock(block)
         columns = sch.get_sblock("columns")
         output = sch.get_sblock("output")
         weight_index = next(
             i for i, region in enumerate(sch.get(conv).reads) if region.source.name == "weight"
         )
         acc = sch.cache_write(conv, 0, "local")
-        n, o, p, rc, rk = sch.get_loops(conv)
+        n, o, p, *part, rc, rk = sch.get_loops(conv)
         weight_in, taps = (int(sch.get(loop).extent) for loop in (rc, rk))
         # Each thread's register block is contiguous, so the write-back of one thread covers
         # exactly its own outputs (a strided block made it cover its neighbours' too).
         o_outer, o_thread, o_reg = sch.split(o, [None, threads_o, regs_o])
         p_outer, p_thread, p_reg = sch.split(p, [None, self.threads_p, self.regs_p])
         r_outer, r_inner = sch.split(rc, [None, self._channels_per_chunk(weight_in, taps)])
-        sch.reorder(n, o_outer, p_outer, o_thread, p_thread, r_outer, r_inner, rk, o_reg, p_reg)
-        tile = sch.fuse(n, o_outer, p_outer)
+        sch.reorder(
+            *part, n, o_outer, p_outer, o_thread, p_thread, r_outer, r_inner, rk, o_reg, p_reg
+        )
+        tile = sch.fuse(*part, n, o_outer, p_outer)
         self._bind(sch, tile, "blockIdx.x")
         self._bind(sch, o_thread, "threadIdx.y")
         self._bind(sch, p_thread, "threadIdx.x")
-        sch.compute_inline(acc)
-        sch.reverse_compute_at(output, p_thread)
+        if part:
+            sch.reverse_compute_at(acc, p_thread)
+        else:
+            sch.compute_inline(acc)
+            sch.reverse_compute_at(output, p_thread)
 
         # The chunk's weights and sampled columns, filled by all threads of the block (the
         # scope is set first: compute_at sizes a shared buffer for the whole thread block).
@@ -146,3 +154,89 @@ class DefaultCUDA:
         sch.unroll(o_reg)
         sch.unroll(p_reg)
         sch.decompose_reduction(conv, r_outer)
+
+
+class SplitReductionCUDA(DefaultCUDA):
+    """``DefaultCUDA`` with the reduction over the input channels split into ``parts`` slices,
+    each computed by thread blocks of its own, for layers whose output tiles alone would leave
+    most of a GPU idle (many channels on a small map: the 512-channel 10x10 layer makes 32
+    tiles). The partial sums go to a scratch buffer; a last kernel adds them in a fixed order,
+    one thread per output, and applies the bias/cast epilogue, so the result is the same on
+    every run. The sum's order differs from ``DefaultCUDA``'s, so the last bits can too.
+
+    ``parts`` defaults to :meth:`choose_parts`. ``apply`` returns None where the split does not
+    apply (one part, or channels that ``parts`` does not divide)."""
+
+    #: thread blocks a layer should have before its reduction is split no further: about four
+    #: per SM on an H100 or H200 (132 SMs), so that each SM has warps to switch to while
+    #: others wait on the sampling's scattered loads
+    enough_blocks = 512
+    #: the most slices a reduction is split into
+    max_parts = 16
+    #: the fewest input channels (per group) a slice holds, so that each block still has a
+    #: reduction long enough to pay for the round trip of its partial sums through memory
+    min_part_channels = 16
+
+    def __init__(self, parts: int | None = None, emulate: bool = False):
+        super().__init__(emulate)
+        self.parts = parts
+
+    def _channels_per_chunk(self, weight_in: int, taps: int) -> int:
+        # A divisor of the channels: with a remainder, the shared-memory regions of a chunk
+        # are not narrowed to its part (TVM staged the whole weight of the tile).
+        most = max(1, min(weight_in, self.chunk // taps))
+        return next(c for c in range(most, 0, -1) if weight_in % c == 0)
+
+    def tiles(self, sch: s_tir.Schedule, threads_o: int, regs_o: int) -> int:
+        """Thread blocks of ``DefaultCUDA``'s GEMM for the unscheduled PrimFunc in ``sch``."""
+        n, outputs, pixels, *_ = (
+            int(v.dom.extent) for v in sch.get(sch.get_sblock("conv")).iter_vars
+        )
+        per_block_o, per_block_p = threads_o * regs_o, self.threads_p * self.regs_p
+        return n * -(-outputs // per_block_o) * -(-pixels // per_block_p)
+
+    def choose_parts(self, sch: s_tir.Schedule, threads_o: int, regs_o: int) -> int:
+        """The fewest parts (a power of two dividing the input channels per group, at most
+        ``max_parts``, each of at least ``min_part_channels``) that give ``enough_blocks``."""
+        conv = sch.get(sch.get_sblock("conv"))
+        weight_in = int(conv.iter_vars[3].dom.extent)
+        tiles, parts = self.tiles(sch, threads_o, regs_o), 1
+        while (
+            tiles * parts < self.enough_blocks
+            and parts * 2 <= self.max_parts
+            and weight_in % (parts * 2) == 0
+            and weight_in // (parts * 2) >= self.min_part_channels
+        ):
+            parts *= 2
+        return parts
+
+    def split_parts(self, func: tirx.PrimFunc) -> int:
+        """The parts this rule splits ``func``'s reduction into; 1 where it does not apply."""
+        sch = s_tir.Schedule(func)
+        if not is_deform_conv(sch):
+            return 1
+        threads_o, regs_o = self.out_tile(sch)
+        parts = self.parts or self.choose_parts(sch, threads_o, regs_o)
+        _, _, _, rc, _ = sch.get_loops(sch.get_sblock("conv"))
+        return parts if parts > 1 and int(sch.get(rc).extent) % parts == 0 else 1
+
+    def apply(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
+        parts = self.split_parts(func)
+        if parts == 1:
+            return None
+        sch = s_tir.Schedule(func)
+        threads_o, regs_o = self.out_tile(sch)
+        _, _, _, rc, _ = sch.get_loops(sch.get_sblock("conv"))
+        for name in GEOMETRY:
+            self.elementwise(sch, sch.get_sblock(name))
+        part, _ = sch.split(rc, [parts, None])
+        sch.rfactor(part, factor_axis=0)
+        self._gemm(sch, threads_o, regs_o, block="conv_rf")
+        # The sum of the parts and the epilogue: one thread per output, the parts in order.
+        output = sch.get_sblock("output")
+        fused = sch.fuse(*sch.get_loops(output))
+        blocks, threads = sch.split(fused, [None, self.geometry_threads])
+        self._bind(sch, blocks, "blockIdx.x")
+        self._bind(sch, threads, "threadIdx.x")
+        sch.compute_at(sch.get_sblock("conv"), threads)
+        return sch

@@ -18,7 +18,7 @@ from conftest import assert_close
 from inputs import CONFIGS, make_inputs, shape_of
 from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
-from tvm_deform.schedules.cuda import DefaultCUDA
+from tvm_deform.schedules.cuda import DefaultCUDA, SplitReductionCUDA
 from tvm_deform.schedules.cuda_tensor_core import TensorCoreCUDA
 
 from tvm_deform import deform_conv2d, schedules
@@ -28,6 +28,7 @@ from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import records, targets
 from tvm_deform.tools import cuda_build
 from tvm_deform.tools.cli import main
+from tvm_deform.tools.inputs import conv_kwargs, random_inputs
 from tvm_deform.tools.suite import load_suite
 
 SUITE = load_suite()
@@ -52,11 +53,13 @@ def test_cuda_target_and_hardware_key():
 def test_suite_builds_to_machine_code(name, arch):
     source = cuda_build.cuda_source(SUITE[name], arch)
     declared = set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", source))
-    assert len(declared) == 4  # three geometry kernels and the GEMM
+    # Three geometry kernels and the GEMM, and the sum of its parts where the reduction is split.
+    split = SplitReductionCUDA().apply(definition.forward(SUITE[name]), targets.cuda_target(arch))
+    suffixes = ("", "_1", "_2", "_3") + (("_4",) if split is not None else ())
     built = cuda_build.nvcc_build(source, arch)
     assert set(built.kernels) == declared
     assert built.machine_arch == int(arch.removeprefix("sm_"))
-    assert set(built.kernels) == {f"deform_conv2d_kernel{s}" for s in ("", "_1", "_2", "_3")}
+    assert set(built.kernels) == {f"deform_conv2d_kernel{s}" for s in suffixes}
     for kernel in built.kernels:
         assert kernel.encode() in built.cubin
     gemm = built.kernels["deform_conv2d_kernel_3"]
@@ -66,20 +69,84 @@ def test_suite_builds_to_machine_code(name, arch):
 
 
 def test_shared_memory_stays_within_the_budget():
-    rule = DefaultCUDA()
     for name, shape in SUITE.items():
         func = definition.forward(shape)
-        assert rule.apply(func, targets.cuda_target("sm_90")) is not None
-        sch = s_tir.Schedule(func)
-        used = rule.shared_bytes(sch, *rule.out_tile(sch))
-        assert used <= rule.shared_budget, name
+        assert DefaultCUDA().apply(func, targets.cuda_target("sm_90")) is not None
+        for rule in (DefaultCUDA(), SplitReductionCUDA()):
+            sch = s_tir.Schedule(func)
+            assert rule.shared_bytes(sch, *rule.out_tile(sch)) <= rule.shared_budget, name
 
 
-def emulated_kernel(shape: ConvShape):
-    """The CUDA schedule's loop structure compiled for this CPU (no thread bindings, shared
-    buffers in global memory)."""
-    sch = DefaultCUDA(emulate=True).apply(definition.forward(shape), targets.host_target())
+def emulated_kernel(shape: ConvShape, rule=None):
+    """A CUDA schedule's loop structure (``rule``, default ``DefaultCUDA``) compiled for this
+    CPU (no thread bindings, shared buffers in global memory)."""
+    rule = rule or DefaultCUDA(emulate=True)
+    sch = rule.apply(definition.forward(shape), targets.host_target())
     return tvm.compile(sch.mod, target=targets.host_target())["deform_conv2d"]
+
+
+def test_small_maps_with_many_channels_get_their_reduction_split():
+    # Parts until the layer has enough thread blocks; a layer with enough tiles is not split.
+    rule = SplitReductionCUDA()
+    target = targets.cuda_target("sm_90")
+    parts = {}
+    for name in ("r50dcn320_c5_512x10x10", "r50_c5_512x25x42", "r50_c3_128x100x168", "seed"):
+        sch = s_tir.Schedule(definition.forward(SUITE[name]))
+        tiles = rule.tiles(sch, *rule.out_tile(sch))
+        parts[name] = rule.choose_parts(sch, *rule.out_tile(sch))
+        assert tiles * parts[name] >= rule.enough_blocks or parts[name] in (1, rule.max_parts)
+    assert parts == {
+        "r50dcn320_c5_512x10x10": 16,  # 16 x 2 tiles
+        "r50_c5_512x25x42": 2,  # 16 x 17 tiles
+        "r50_c3_128x100x168": 1,  # 1052 tiles
+        "seed": 1,  # 3 channels: no part would hold a chunk
+    }
+    assert rule.apply(definition.forward(SUITE["r50_c3_128x100x168"]), target) is None
+    assert (
+        schedules.forward_schedule(SUITE["r50dcn320_c5_512x10x10"], target)
+        .mod.script()
+        .count("conv_rf")
+    )
+
+
+def test_a_kernel_of_a_given_schedule_runs_as_the_op_would(tmp_path, monkeypatch):
+    # What the GPU session times beside the default: here the one-pass CUDA structure,
+    # emulated on the CPU, through the disk cache and the op's own call path.
+    from tvm_deform.runtime import kernels
+
+    monkeypatch.setenv("TVM_DEFORM_CACHE_DIR", str(tmp_path))
+    shape, _ = SPLIT_LAYERS[0]
+    target = targets.host_target()
+    kernel = kernels.load_scheduled(
+        shape,
+        target,
+        "one-pass-emulated",
+        lambda: DefaultCUDA(emulate=True).apply(definition.forward(shape), target),
+    )
+    assert len(list(tmp_path.glob("deform_conv2d-*.so"))) == 1
+    inputs = random_inputs(shape)
+    ours = run_forward(shape, **inputs, kernel=kernel)
+    assert_close(ours, torchvision.ops.deform_conv2d(**inputs, **conv_kwargs(shape)), 1e-6)
+
+
+#: layers for the split reduction: grouped, offset groups, batch 2, stride and dilation, no
+#: mask, and parts of 5 channels (chunks of one channel)
+SPLIT_LAYERS = [
+    (ConvShape(1, 64, 6, 7, 48, 3, 3, pad_h=1, pad_w=1, has_bias=True), 4),
+    (ConvShape(2, 32, 5, 5, 40, 3, 3, pad_h=1, pad_w=1, weight_groups=2, offset_groups=2), 2),
+    (ConvShape(1, 16, 9, 8, 8, 3, 3, stride_h=2, dilation_w=2, pad_h=1, has_mask=False), 8),
+    (ConvShape(1, 10, 5, 6, 12, 3, 3, pad_h=1, pad_w=1, has_bias=True), 2),
+]
+
+
+@pytest.mark.parametrize("shape, parts", SPLIT_LAYERS, ids=[f"split{i}" for i in range(4)])
+def test_emulated_split_reduction_matches_torchvision(shape, parts):
+    inputs = random_inputs(shape)
+    kernel = emulated_kernel(shape, SplitReductionCUDA(parts, emulate=True))
+    ours = run_forward(shape, **inputs, kernel=kernel)
+    assert_close(ours, torchvision.ops.deform_conv2d(**inputs, **conv_kwargs(shape)), 1e-6)
+    # The parts are summed in a fixed order: the same bits on a second run.
+    assert torch.equal(ours, run_forward(shape, **inputs, kernel=kernel))
 
 
 @pytest.mark.parametrize("cfg", CONFIGS[:10], ids=[f"cfg{i}" for i in range(10)])
@@ -493,6 +560,31 @@ def test_gpu_session_keeps_timing_when_an_implementation_fails(monkeypatch):
     table = gpu_session.markdown(rows)
     assert "| seed | float32 |" in table and " - |" in table
     assert gpu_session.speedup_over_torchvision(rows) is None
+
+
+def test_gpu_session_times_the_one_pass_beside_a_split_default(monkeypatch):
+    # Where the default splits the reduction, the session also times DefaultCUDA's one pass
+    # (stood for here by the CPU's default kernel), in a column of its own that the speed-up
+    # over torchvision leaves out.
+    from tvm_deform.tools import gpu_session
+
+    monkeypatch.setattr(gpu_session.schedules, "split_parts", lambda shape, target: 4)
+    monkeypatch.setattr(
+        gpu_session,
+        "_one_pass_kernel",
+        lambda shape, target, args: gpu_session._our_kernel(shape, target, False, args),
+    )
+    rows = gpu_session.time_layers({"seed": SUITE["seed"]}, "cpu", runs=3)
+    by_name = {r["implementation"]: r for r in rows}
+    assert by_name[gpu_session.ONE_PASS]["median_ms"] > 0
+    assert by_name[gpu_session.ONE_PASS]["error"] < 1e-6
+    assert by_name["tvm_deform default"]["split_parts"] == 4
+    header, _, line = gpu_session.markdown(rows).splitlines()
+    assert header.split("|")[6].strip() == "one pass ms"
+    assert line.split("|")[6].strip() == f"{by_name[gpu_session.ONE_PASS]['median_ms']:.3f}"
+    ours = by_name["tvm_deform default"]["median_ms"]
+    expected = by_name["torchvision"]["median_ms"] / ours
+    assert gpu_session.speedup_over_torchvision(rows) == pytest.approx(expected)
 
 
 def test_every_device_call_fits(tmp_path):

@@ -151,6 +151,10 @@ def compile_kernel(
         sch = records.tuned_schedule(shape, record)
     else:
         sch = default_schedule(shape, target, layout=layout)
+    return _compile(sch, target)
+
+
+def _compile(sch: s_tir.Schedule, target: Target) -> tvm.runtime.Module:
     if target.kind.name == "cuda":
         # Registers TVM's CUDA compiler callback (NVRTC, or nvcc with TVM_CUDA_COMPILE_MODE).
         importlib.import_module("tvm.support.nvcc")
@@ -273,6 +277,15 @@ def load_kernel(
         cache_path(shape, target, schedule, op=op),
         lambda: compile_kernel(shape, target, record, layout),
     )
+    return module["deform_conv2d"]
+
+
+def load_scheduled(
+    shape: ConvShape, target: Target, name: str, schedule: Callable[[], s_tir.Schedule]
+) -> Kernel:
+    """The forward kernel of ``shape`` with the schedule ``schedule()`` makes, through the disk
+    cache under ``name`` (benchmarks use it to time a rule that dispatch would not pick)."""
+    module = _load_module(cache_path(shape, target, name), lambda: _compile(schedule(), target))
     return module["deform_conv2d"]
 
 

@@ -21,7 +21,8 @@ call cut short keeps what was done; the exit code is non-zero if any step failed
    ``--tune-seconds``; the pruned logs go to ``OUT/tuning_logs_cuda.tar.gz`` (``cuda/<arch>/``,
    to be checked into ``tuning_logs/``), and the timing then runs the tuned kernels too;
 6. time: per workload and dtype, the median of CUDA-event timings of torchvision (where it has
-   a kernel: not bfloat16), our default and tuned kernels and cuDNN's dense ``conv2d``; each
+   a kernel: not bfloat16), our default and tuned kernels, ``DefaultCUDA`` alone where the
+   default splits the reduction (``SplitReductionCUDA``), and cuDNN's dense ``conv2d``; each
    row is written as it is timed, and ``OUT/gpu_results.md`` holds the table.
 
 A step that would start after ``--deadline`` seconds is skipped (recorded as such), so that the
@@ -45,14 +46,16 @@ from pathlib import Path
 import torch
 
 from tvm_deform import __version__, deform_conv2d, schedules
+from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import kernels, targets
 from tvm_deform.tools.bench import geometric_mean, measure, relative_error
 from tvm_deform.tools.inputs import TOLERANCE, conv_kwargs, random_inputs, random_shape
 from tvm_deform.tools.suite import load_suite
 
-#: norm-relative error allowed against torchvision, per dtype (float32 against float32,
-#: half precision against float32 on the upcast inputs)
+#: the label of the rows that time ``DefaultCUDA`` alone where the default splits the
+#: reduction (not a kernel dispatch picks, so not counted as ours in the speed-ups)
+ONE_PASS = "one pass (DefaultCUDA)"
 
 
 def _inputs(shape: ConvShape, device: str, dtype: torch.dtype, seed: int = 0) -> dict:
@@ -179,8 +182,9 @@ def time_layers(
     tuned: bool = False,
 ) -> list[dict]:
     """Per layer and dtype: torchvision, our kernel (default schedule) and dense conv2d, timed
-    side by side on the same inputs, or with ``tuned`` our tuned kernel alone (where the logs
-    have one); ``on_row`` gets each row as soon as it is timed. Errors are checked against
+    side by side on the same inputs (and, where the default splits the reduction over thread
+    blocks, ``DefaultCUDA``'s one pass too), or with ``tuned`` our tuned kernel alone (where
+    the logs have one); ``on_row`` gets each row as soon as it is timed. Errors are checked against
     torchvision in float32 on the upcast inputs (its CUDA kernel has no bfloat16). An
     implementation that fails (torchvision in a dtype it lacks) gets a row with its error
     instead of a time; the others still run."""
@@ -211,6 +215,10 @@ def time_layers(
                 variants["tvm_deform default"] = lambda typed=typed, args=args: _our_kernel(
                     typed, target, tuned=False, args=args
                 )
+                if schedules.split_parts(typed, target) > 1:
+                    variants[ONE_PASS] = lambda typed=typed, args=args: _one_pass_kernel(
+                        typed, target, args
+                    )
                 variants["conv2d (dense)"] = lambda args=args, kwargs=kwargs, shape=shape: (
                     lambda: torch.nn.functional.conv2d(
                         args["input"],
@@ -227,6 +235,7 @@ def time_layers(
                     row = {"layer": name, "dtype": dtype_name, "implementation": label}
                     if label == "tvm_deform default":
                         row["tensor_cores"] = schedules.runs_on_tensor_cores(typed, target)
+                        row["split_parts"] = schedules.split_parts(typed, target)
                     try:
                         fn = make()
                         dense = label.startswith("conv2d")
@@ -242,9 +251,23 @@ def time_layers(
 
 
 def _our_kernel(shape: ConvShape, target, tuned: bool, args: dict) -> Callable[[], torch.Tensor]:
+    return _runner(shape, kernels.get_kernel(shape, target, tuned=tuned), args)
+
+
+def _one_pass_kernel(shape: ConvShape, target, args: dict) -> Callable[[], torch.Tensor]:
+    """The layer under ``DefaultCUDA`` alone, the reduction in one pass, where the default
+    splits it: the timing that tells whether the split pays."""
+    from tvm_deform.schedules.cuda import DefaultCUDA
+
+    kernel = kernels.load_scheduled(
+        shape, target, "one-pass", lambda: DefaultCUDA().apply(definition.forward(shape), target)
+    )
+    return _runner(shape, kernel, args)
+
+
+def _runner(shape: ConvShape, kernel, args: dict) -> Callable[[], torch.Tensor]:
     from tvm_deform.binding.ops import run_forward
 
-    kernel = kernels.get_kernel(shape, target, tuned=tuned)
     return lambda: run_forward(
         shape, args["input"], args["offset"], args["weight"], args["bias"], args["mask"], kernel
     )
@@ -259,9 +282,9 @@ def markdown(rows: list[dict]) -> str:
     """One line per (layer, dtype): times, our speed-up over torchvision, ratio to conv2d ("-"
     where an implementation has no time: torchvision in a dtype it lacks, or a failure)."""
     lines = [
-        "| layer | dtype | torchvision ms | ours default ms | ours tuned ms | conv2d ms "
-        "| speed-up (best) | best / conv2d | error |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| layer | dtype | torchvision ms | ours default ms | ours tuned ms | one pass ms "
+        "| conv2d ms | speed-up (best) | best / conv2d | error |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     grouped: dict[tuple[str, str], dict[str, dict]] = {}
     for row in rows:
@@ -274,7 +297,8 @@ def markdown(rows: list[dict]) -> str:
         lines.append(
             f"| {layer} | {dtype} | {_ms(found, 'torchvision')} "
             f"| {_ms(found, 'tvm_deform default')} | {_ms(found, 'tvm_deform tuned')} "
-            f"| {_ms(found, 'conv2d (dense)')} | {_ratio(found, 'torchvision', best)} "
+            f"| {_ms(found, ONE_PASS)} | {_ms(found, 'conv2d (dense)')} "
+            f"| {_ratio(found, 'torchvision', best)} "
             f"| {_ratio(found, 'conv2d (dense)', best, inverse=True)} | {error} |"
         )
     return "\n".join(lines)
