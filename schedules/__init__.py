@@ -6,7 +6,8 @@ which rules schedule which kernel on which kind of target.
 A rule is an object with ``apply(func, target) -> Schedule | None``; None means "not a PrimFunc
 I schedule". The rules of a (kernel, target kind) are tried in order and the first schedule
 wins, as TVM's dlight does with its rule lists. :func:`forward_schedule` is the forward's default
-schedule, tensor cores included (:mod:`.cuda_tensor_core`)."""
+schedule; :func:`tensor_core_schedule` puts a half-precision layer on tensor cores
+(:mod:`.cuda_tensor_core`), which is not the default."""
 
 from __future__ import annotations
 
@@ -50,21 +51,27 @@ def apply_default(kernel: str, func: tirx.PrimFunc, target: Target) -> s_tir.Sch
 
 
 def forward_schedule(shape: ConvShape, target: Target, layout: str = "NCHW") -> s_tir.Schedule:
-    """The default schedule of ``shape``'s forward for ``target``. On a GPU, a float16 or
-    bfloat16 layer that the tensor-core rule takes runs on tensor cores: the rule schedules the
-    definition whose sampled columns are rounded to the layer's dtype (what a tensor core
-    multiplies; float32 accumulation either way). Any other layer gets the first default rule
-    of the plain definition. float32 never runs on tensor cores (no TF32)."""
-    func = _tensor_core_definition(shape, target, layout)
-    if func is not None:
-        sch = TensorCoreCUDA().apply(func, target)
-        if sch is not None:
-            return sch
+    """The default schedule of ``shape``'s forward for ``target``: the first default rule of
+    the definition. float16 and bfloat16 layers compute on the CUDA cores too (columns and
+    sums in float32): on an H200 the tensor-core schedule (:func:`tensor_core_schedule`) was
+    slower than the CUDA-core one on 11 of the 14 suite layers it takes, so it is not the
+    default."""
     return apply_default("forward", definition.forward(shape, layout), target)
 
 
-def runs_on_tensor_cores(shape: ConvShape, target: Target, layout: str = "NCHW") -> bool:
-    """Whether :func:`forward_schedule` puts ``shape``'s forward on tensor cores."""
+def tensor_core_schedule(
+    shape: ConvShape, target: Target, layout: str = "NCHW"
+) -> s_tir.Schedule | None:
+    """``shape``'s forward on tensor cores (:class:`.cuda_tensor_core.TensorCoreCUDA`, on the
+    definition whose sampled columns are rounded to the layer's float16 or bfloat16, which a
+    tensor core multiplies; float32 accumulation), or None where the rule does not take the
+    layer. float32 never runs on tensor cores (no TF32)."""
+    func = _tensor_core_definition(shape, target, layout)
+    return None if func is None else TensorCoreCUDA().apply(func, target)
+
+
+def tensor_cores_take(shape: ConvShape, target: Target, layout: str = "NCHW") -> bool:
+    """Whether :func:`tensor_core_schedule` has a schedule for ``shape`` on ``target``."""
     func = _tensor_core_definition(shape, target, layout)
     return func is not None and TensorCoreCUDA().takes(func, target)
 
@@ -72,7 +79,7 @@ def runs_on_tensor_cores(shape: ConvShape, target: Target, layout: str = "NCHW")
 def split_parts(shape: ConvShape, target: Target, layout: str = "NCHW") -> int:
     """Into how many parts :func:`forward_schedule` splits ``shape``'s reduction over thread
     blocks (:class:`.cuda.SplitReductionCUDA`); 1 where it does not."""
-    if target.kind.name != "cuda" or runs_on_tensor_cores(shape, target, layout):
+    if target.kind.name != "cuda":
         return 1
     return SplitReductionCUDA().split_parts(definition.forward(shape, layout))
 

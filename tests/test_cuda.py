@@ -242,8 +242,11 @@ def test_tensor_core_rule_takes_half_layers_and_leaves_the_rest():
     sm_90, sm_75 = targets.cuda_target("sm_90"), targets.cuda_target("sm_75")
 
     def on_tensor_cores(shape: ConvShape, target) -> bool:
-        scheduled = "wmma" in schedules.forward_schedule(shape, target).mod.script()
-        assert schedules.runs_on_tensor_cores(shape, target) == scheduled
+        sch = schedules.tensor_core_schedule(shape, target)
+        scheduled = sch is not None and "wmma" in sch.mod.script()
+        assert schedules.tensor_cores_take(shape, target) == scheduled
+        # Not the default: the default schedule computes on the CUDA cores.
+        assert "wmma" not in schedules.forward_schedule(shape, target).mod.script()
         return scheduled
 
     for dtype in ("float16", "bfloat16"):
@@ -288,7 +291,7 @@ def test_small_half_layers_compile_for_cuda(shape, on_tensor_cores):
     """Small layers, where tiles of one fragment and unit loops appear, compile for sm_80 with
     the schedule that takes them (a random sweep of such layers once found two that did not)."""
     target = targets.cuda_target("sm_80")
-    sch = schedules.forward_schedule(shape, target)
+    sch = schedules.tensor_core_schedule(shape, target) or schedules.forward_schedule(shape, target)
     with target:
         built = tvm.compile(sch.mod, target=target)
     source = "\n".join(m.inspect_source("cuda") for m in built.mod.imports if m.kind == "cuda")
@@ -302,7 +305,8 @@ def test_tensor_core_kernels_build_to_mma_instructions(arch, dtype):
     """A half-precision suite layer's CUDA kernels build with nvcc, and the GEMM's PTX
     multiplies on tensor cores: m16n16k16 WMMA with float32 accumulators."""
     shape = dataclasses.replace(SUITE["r50dcn320_c4_256x20x20"], dtype=dtype)
-    source = cuda_build.cuda_source(shape, arch)
+    sch = schedules.tensor_core_schedule(shape, targets.cuda_target(arch))
+    source = cuda_build.cuda_source(shape, arch, schedule=sch)
     built = cuda_build.nvcc_build(source, arch)
     assert built.machine_arch == int(arch.removeprefix("sm_"))
     assert all("spill" not in line or "0 bytes spill" in line for line in built.kernels.values())
@@ -313,6 +317,28 @@ def test_tensor_core_kernels_build_to_mma_instructions(arch, dtype):
     expected = "f32.f32" if dtype == "float16" else f"f32.{inputs}.{inputs}.f32"
     assert mma and all(m.startswith("wmma.mma.sync.aligned.row.col.m16n16k16.") for m in mma)
     assert all(m.endswith(expected) for m in mma), mma
+
+
+@needs_nvcc
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_layers_default_to_the_cuda_cores(dtype):
+    """A half-precision layer's default kernels (here split into 16 parts) build for sm_90
+    without spills and multiply on the CUDA cores; emulated on the CPU, the split matches
+    torchvision on the upcast inputs."""
+    shape = dataclasses.replace(SUITE["r50dcn320_c5_512x10x10"], dtype=dtype)
+    assert schedules.split_parts(shape, targets.cuda_target("sm_90")) == 16
+    source = cuda_build.cuda_source(shape, "sm_90")
+    built = cuda_build.nvcc_build(source, "sm_90")
+    assert all("spill" not in line or "0 bytes spill" in line for line in built.kernels.values())
+    assert "mma" not in cuda_build.nvcc_ptx(source, "sm_90")
+    small = ConvShape(1, 64, 6, 7, 48, 3, 3, pad_h=1, pad_w=1, has_bias=True, dtype=dtype)
+    inputs = random_inputs(small)
+    kernel = emulated_kernel(small, SplitReductionCUDA(4, emulate=True))
+    ours = run_forward(small, **inputs, kernel=kernel)
+    upcast = {k: v.float() if v is not None else None for k, v in inputs.items()}
+    expected = torchvision.ops.deform_conv2d(**upcast, **conv_kwargs(small))
+    assert ours.dtype == getattr(torch, dtype)
+    assert_close(ours, expected, HALF_TOLERANCE[getattr(torch, dtype)])
 
 
 @needs_nvcc
@@ -452,7 +478,7 @@ def test_gpu_session_steps_run_on_the_cpu(tmp_path):
     assert all(c["passed"] for c in results["check"]["value"])
     assert all(c["same_bits_twice"] for c in results["gradients"]["value"])
     timed = [r for r in results["time"]["value"] if r["implementation"] == "tvm_deform default"]
-    assert timed and not any(r["tensor_cores"] for r in timed)  # the CPU has none
+    assert timed and all(r["split_parts"] == 1 for r in timed)  # a CUDA rule
     assert results["gradients"]["ok"]
     assert "time_so_far" not in results
     table = (tmp_path / "gpu_results.md").read_text()
@@ -562,26 +588,29 @@ def test_gpu_session_keeps_timing_when_an_implementation_fails(monkeypatch):
     assert gpu_session.speedup_over_torchvision(rows) is None
 
 
-def test_gpu_session_times_the_one_pass_beside_a_split_default(monkeypatch):
-    # Where the default splits the reduction, the session also times DefaultCUDA's one pass
-    # (stood for here by the CPU's default kernel), in a column of its own that the speed-up
-    # over torchvision leaves out.
+def test_gpu_session_times_the_schedules_dispatch_does_not_pick(monkeypatch):
+    # Where the default splits the reduction, the session also times DefaultCUDA's one pass;
+    # where tensor cores take a layer, the tensor-core schedule (each stood for here by the
+    # CPU's default kernel). Each has a column of its own, which the speed-up over torchvision
+    # leaves out.
     from tvm_deform.tools import gpu_session
 
+    def cpu_kernel(shape, target, args):
+        return gpu_session._our_kernel(shape, target, False, args)
+
     monkeypatch.setattr(gpu_session.schedules, "split_parts", lambda shape, target: 4)
-    monkeypatch.setattr(
-        gpu_session,
-        "_one_pass_kernel",
-        lambda shape, target, args: gpu_session._our_kernel(shape, target, False, args),
-    )
+    monkeypatch.setattr(gpu_session.schedules, "tensor_cores_take", lambda shape, target: True)
+    monkeypatch.setattr(gpu_session, "_one_pass_kernel", cpu_kernel)
+    monkeypatch.setattr(gpu_session, "_tensor_core_kernel", cpu_kernel)
     rows = gpu_session.time_layers({"seed": SUITE["seed"]}, "cpu", runs=3)
     by_name = {r["implementation"]: r for r in rows}
-    assert by_name[gpu_session.ONE_PASS]["median_ms"] > 0
-    assert by_name[gpu_session.ONE_PASS]["error"] < 1e-6
     assert by_name["tvm_deform default"]["split_parts"] == 4
     header, _, line = gpu_session.markdown(rows).splitlines()
+    for label, column in ((gpu_session.ONE_PASS, 6), (gpu_session.TENSOR_CORES, 7)):
+        assert by_name[label]["median_ms"] > 0 and by_name[label]["error"] < 1e-6
+        assert line.split("|")[column].strip() == f"{by_name[label]['median_ms']:.3f}"
     assert header.split("|")[6].strip() == "one pass ms"
-    assert line.split("|")[6].strip() == f"{by_name[gpu_session.ONE_PASS]['median_ms']:.3f}"
+    assert header.split("|")[7].strip() == "tensor cores ms"
     ours = by_name["tvm_deform default"]["median_ms"]
     expected = by_name["torchvision"]["median_ms"] / ours
     assert gpu_session.speedup_over_torchvision(rows) == pytest.approx(expected)

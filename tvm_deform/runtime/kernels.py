@@ -151,10 +151,11 @@ def compile_kernel(
         sch = records.tuned_schedule(shape, record)
     else:
         sch = default_schedule(shape, target, layout=layout)
-    return _compile(sch, target)
+    return compile_schedule(sch, target)
 
 
-def _compile(sch: s_tir.Schedule, target: Target) -> tvm.runtime.Module:
+def compile_schedule(sch: s_tir.Schedule, target: Target) -> tvm.runtime.Module:
+    """Compile the kernel ``sch`` holds for ``target``."""
     if target.kind.name == "cuda":
         # Registers TVM's CUDA compiler callback (NVRTC, or nvcc with TVM_CUDA_COMPILE_MODE).
         importlib.import_module("tvm.support.nvcc")
@@ -285,7 +286,9 @@ def load_scheduled(
 ) -> Kernel:
     """The forward kernel of ``shape`` with the schedule ``schedule()`` makes, through the disk
     cache under ``name`` (benchmarks use it to time a rule that dispatch would not pick)."""
-    module = _load_module(cache_path(shape, target, name), lambda: _compile(schedule(), target))
+    module = _load_module(
+        cache_path(shape, target, name), lambda: compile_schedule(schedule(), target)
+    )
     return module["deform_conv2d"]
 
 

@@ -7,20 +7,33 @@ import dataclasses
 import struct
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 # TVM's thread variables are set by tvm_deform.env, which the package's __init__ imports before
 # any module that imports TVM.
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import records
-from tvm_deform.runtime.kernels import compile_kernel
+from tvm_deform.runtime.kernels import compile_kernel, compile_schedule
 from tvm_deform.runtime.targets import cuda_target
 
+if TYPE_CHECKING:
+    from tvm import s_tir
 
-def cuda_source(shape: ConvShape, arch: str, record: records.TunedRecord | None = None) -> str:
-    """The CUDA C source of ``shape``'s forward kernels for ``arch`` (default schedule, or
-    ``record``'s), as TVM generates it; needs no GPU."""
+
+def cuda_source(
+    shape: ConvShape,
+    arch: str,
+    record: records.TunedRecord | None = None,
+    schedule: s_tir.Schedule | None = None,
+) -> str:
+    """The CUDA C source of ``shape``'s forward kernels for ``arch`` (default schedule,
+    ``record``'s, or ``schedule``), as TVM generates it; needs no GPU."""
     # Built without the CUDA runtime, the device module keeps its source (format "cuda").
-    built = compile_kernel(shape, cuda_target(arch), record)
+    target = cuda_target(arch)
+    if schedule is not None:
+        built = compile_schedule(schedule, target)
+    else:
+        built = compile_kernel(shape, target, record)
     sources = [m.inspect_source("cuda") for m in built.mod.imports if m.kind == "cuda"]
     if not any(sources):
         raise RuntimeError(f"TVM produced no CUDA source for {shape} on {arch}")

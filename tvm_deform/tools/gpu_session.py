@@ -22,7 +22,8 @@ call cut short keeps what was done; the exit code is non-zero if any step failed
    to be checked into ``tuning_logs/``), and the timing then runs the tuned kernels too;
 6. time: per workload and dtype, the median of CUDA-event timings of torchvision (where it has
    a kernel: not bfloat16), our default and tuned kernels, ``DefaultCUDA`` alone where the
-   default splits the reduction (``SplitReductionCUDA``), and cuDNN's dense ``conv2d``; each
+   default splits the reduction (``SplitReductionCUDA``), the tensor-core schedule of float16
+   and bfloat16 layers it takes, and cuDNN's dense ``conv2d``; each
    row is written as it is timed, and ``OUT/gpu_results.md`` holds the table.
 
 A step that would start after ``--deadline`` seconds is skipped (recorded as such), so that the
@@ -53,9 +54,11 @@ from tvm_deform.tools.bench import geometric_mean, measure, relative_error
 from tvm_deform.tools.inputs import TOLERANCE, conv_kwargs, random_inputs, random_shape
 from tvm_deform.tools.suite import load_suite
 
-#: the label of the rows that time ``DefaultCUDA`` alone where the default splits the
-#: reduction (not a kernel dispatch picks, so not counted as ours in the speed-ups)
+#: the labels of the rows that time a schedule dispatch does not pick, to tell whether it
+#: should: ``DefaultCUDA`` alone where the default splits the reduction, and the tensor-core
+#: schedule of half-precision layers (not counted as ours in the speed-ups)
 ONE_PASS = "one pass (DefaultCUDA)"
+TENSOR_CORES = "tensor cores (TensorCoreCUDA)"
 
 
 def _inputs(shape: ConvShape, device: str, dtype: torch.dtype, seed: int = 0) -> dict:
@@ -183,7 +186,8 @@ def time_layers(
 ) -> list[dict]:
     """Per layer and dtype: torchvision, our kernel (default schedule) and dense conv2d, timed
     side by side on the same inputs (and, where the default splits the reduction over thread
-    blocks, ``DefaultCUDA``'s one pass too), or with ``tuned`` our tuned kernel alone (where
+    blocks, ``DefaultCUDA``'s one pass; for half-precision layers that tensor cores take, the
+    tensor-core schedule), or with ``tuned`` our tuned kernel alone (where
     the logs have one); ``on_row`` gets each row as soon as it is timed. Errors are checked against
     torchvision in float32 on the upcast inputs (its CUDA kernel has no bfloat16). An
     implementation that fails (torchvision in a dtype it lacks) gets a row with its error
@@ -219,6 +223,10 @@ def time_layers(
                     variants[ONE_PASS] = lambda typed=typed, args=args: _one_pass_kernel(
                         typed, target, args
                     )
+                if schedules.tensor_cores_take(typed, target):
+                    variants[TENSOR_CORES] = lambda typed=typed, args=args: _tensor_core_kernel(
+                        typed, target, args
+                    )
                 variants["conv2d (dense)"] = lambda args=args, kwargs=kwargs, shape=shape: (
                     lambda: torch.nn.functional.conv2d(
                         args["input"],
@@ -234,7 +242,6 @@ def time_layers(
                 for label, make in variants.items():
                     row = {"layer": name, "dtype": dtype_name, "implementation": label}
                     if label == "tvm_deform default":
-                        row["tensor_cores"] = schedules.runs_on_tensor_cores(typed, target)
                         row["split_parts"] = schedules.split_parts(typed, target)
                     try:
                         fn = make()
@@ -265,6 +272,15 @@ def _one_pass_kernel(shape: ConvShape, target, args: dict) -> Callable[[], torch
     return _runner(shape, kernel, args)
 
 
+def _tensor_core_kernel(shape: ConvShape, target, args: dict) -> Callable[[], torch.Tensor]:
+    """The half-precision layer on tensor cores: the timing that tells whether they should be
+    the default again."""
+    kernel = kernels.load_scheduled(
+        shape, target, "tensor-cores", lambda: schedules.tensor_core_schedule(shape, target)
+    )
+    return _runner(shape, kernel, args)
+
+
 def _runner(shape: ConvShape, kernel, args: dict) -> Callable[[], torch.Tensor]:
     from tvm_deform.binding.ops import run_forward
 
@@ -283,8 +299,8 @@ def markdown(rows: list[dict]) -> str:
     where an implementation has no time: torchvision in a dtype it lacks, or a failure)."""
     lines = [
         "| layer | dtype | torchvision ms | ours default ms | ours tuned ms | one pass ms "
-        "| conv2d ms | speed-up (best) | best / conv2d | error |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| tensor cores ms | conv2d ms | speed-up (best) | best / conv2d | error |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     grouped: dict[tuple[str, str], dict[str, dict]] = {}
     for row in rows:
@@ -297,7 +313,8 @@ def markdown(rows: list[dict]) -> str:
         lines.append(
             f"| {layer} | {dtype} | {_ms(found, 'torchvision')} "
             f"| {_ms(found, 'tvm_deform default')} | {_ms(found, 'tvm_deform tuned')} "
-            f"| {_ms(found, ONE_PASS)} | {_ms(found, 'conv2d (dense)')} "
+            f"| {_ms(found, ONE_PASS)} | {_ms(found, TENSOR_CORES)} "
+            f"| {_ms(found, 'conv2d (dense)')} "
             f"| {_ratio(found, 'torchvision', best)} "
             f"| {_ratio(found, 'conv2d (dense)', best, inverse=True)} | {error} |"
         )
