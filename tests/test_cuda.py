@@ -589,10 +589,10 @@ def test_gpu_session_keeps_timing_when_an_implementation_fails(monkeypatch):
 
 
 def test_gpu_session_times_the_schedules_dispatch_does_not_pick(monkeypatch):
-    # Where the default splits the reduction, the session also times DefaultCUDA's one pass;
-    # where tensor cores take a layer, the tensor-core schedule (each stood for here by the
-    # CPU's default kernel). Each has a column of its own, which the speed-up over torchvision
-    # leaves out.
+    # Beside our kernels, the session times the public op as users call it; where the default
+    # splits the reduction, DefaultCUDA's one pass; where tensor cores take a layer, the
+    # tensor-core schedule (the last two stood for here by the CPU's default kernel). Each has
+    # a column of its own, which the speed-up over torchvision leaves out.
     from tvm_deform.tools import gpu_session
 
     def cpu_kernel(shape, target, args):
@@ -606,11 +606,15 @@ def test_gpu_session_times_the_schedules_dispatch_does_not_pick(monkeypatch):
     by_name = {r["implementation"]: r for r in rows}
     assert by_name["tvm_deform default"]["split_parts"] == 4
     header, _, line = gpu_session.markdown(rows).splitlines()
-    for label, column in ((gpu_session.ONE_PASS, 6), (gpu_session.TENSOR_CORES, 7)):
+    columns = ((gpu_session.PUBLIC_OP, 6), (gpu_session.ONE_PASS, 7), (gpu_session.TENSOR_CORES, 8))
+    for label, column in columns:
         assert by_name[label]["median_ms"] > 0 and by_name[label]["error"] < 1e-6
         assert line.split("|")[column].strip() == f"{by_name[label]['median_ms']:.3f}"
-    assert header.split("|")[6].strip() == "one pass ms"
-    assert header.split("|")[7].strip() == "tensor cores ms"
+    assert [header.split("|")[c].strip() for c in (6, 7, 8)] == [
+        "public op ms",
+        "one pass ms",
+        "tensor cores ms",
+    ]
     ours = by_name["tvm_deform default"]["median_ms"]
     expected = by_name["torchvision"]["median_ms"] / ours
     assert gpu_session.speedup_over_torchvision(rows) == pytest.approx(expected)

@@ -21,7 +21,8 @@ call cut short keeps what was done; the exit code is non-zero if any step failed
    ``--tune-seconds``; the pruned logs go to ``OUT/tuning_logs_cuda.tar.gz`` (``cuda/<arch>/``,
    to be checked into ``tuning_logs/``), and the timing then runs the tuned kernels too;
 6. time: per workload and dtype, the median of CUDA-event timings of torchvision (where it has
-   a kernel: not bfloat16), our default and tuned kernels, ``DefaultCUDA`` alone where the
+   a kernel: not bfloat16), our default and tuned kernels (through their handles), the public
+   ``deform_conv2d`` as users call it, ``DefaultCUDA`` alone where the
    default splits the reduction (``SplitReductionCUDA``), the tensor-core schedule of float16
    and bfloat16 layers it takes, and cuDNN's dense ``conv2d``; each
    row is written as it is timed, and ``OUT/gpu_results.md`` holds the table.
@@ -59,6 +60,11 @@ from tvm_deform.tools.suite import load_suite
 #: schedule of half-precision layers (not counted as ours in the speed-ups)
 ONE_PASS = "one pass (DefaultCUDA)"
 TENSOR_CORES = "tensor cores (TensorCoreCUDA)"
+#: our kernels that dispatch may run, timed through their handles: the speed-ups take the best
+KERNELS = ("tvm_deform default", "tvm_deform tuned")
+#: the label of the rows that time the public ``deform_conv2d``, as users call it (argument
+#: checks, kernel lookup and the choice among tuned records included)
+PUBLIC_OP = "tvm_deform public op"
 
 
 def _inputs(shape: ConvShape, device: str, dtype: torch.dtype, seed: int = 0) -> dict:
@@ -184,14 +190,14 @@ def time_layers(
     on_row: Callable[[dict], None] = lambda row: None,
     tuned: bool = False,
 ) -> list[dict]:
-    """Per layer and dtype: torchvision, our kernel (default schedule) and dense conv2d, timed
-    side by side on the same inputs (and, where the default splits the reduction over thread
-    blocks, ``DefaultCUDA``'s one pass; for half-precision layers that tensor cores take, the
-    tensor-core schedule), or with ``tuned`` our tuned kernel alone (where
-    the logs have one); ``on_row`` gets each row as soon as it is timed. Errors are checked against
-    torchvision in float32 on the upcast inputs (its CUDA kernel has no bfloat16). An
-    implementation that fails (torchvision in a dtype it lacks) gets a row with its error
-    instead of a time; the others still run."""
+    """Per layer and dtype: torchvision, our kernel (default schedule, through its handle), the
+    public op and dense conv2d, timed side by side on the same inputs (and, where the default
+    splits the reduction over thread blocks, ``DefaultCUDA``'s one pass; for half-precision
+    layers that tensor cores take, the tensor-core schedule), or with ``tuned`` our tuned
+    kernel alone (where the logs have one); ``on_row`` gets each row as soon as it is timed.
+    Errors are checked against torchvision in float32 on the upcast inputs (its CUDA kernel has
+    no bfloat16). An implementation that fails (torchvision in a dtype it lacks) gets a row
+    with its error instead of a time; the others still run."""
     import torchvision.ops
 
     target = targets.cuda_target(_arch()) if device == "cuda" else targets.host_target()
@@ -227,6 +233,7 @@ def time_layers(
                     variants[TENSOR_CORES] = lambda typed=typed, args=args: _tensor_core_kernel(
                         typed, target, args
                     )
+                variants[PUBLIC_OP] = lambda args=args: lambda: deform_conv2d(**args)
                 variants["conv2d (dense)"] = lambda args=args, kwargs=kwargs, shape=shape: (
                     lambda: torch.nn.functional.conv2d(
                         args["input"],
@@ -298,22 +305,22 @@ def markdown(rows: list[dict]) -> str:
     """One line per (layer, dtype): times, our speed-up over torchvision, ratio to conv2d ("-"
     where an implementation has no time: torchvision in a dtype it lacks, or a failure)."""
     lines = [
-        "| layer | dtype | torchvision ms | ours default ms | ours tuned ms | one pass ms "
-        "| tensor cores ms | conv2d ms | speed-up (best) | best / conv2d | error |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| layer | dtype | torchvision ms | ours default ms | ours tuned ms | public op ms "
+        "| one pass ms | tensor cores ms | conv2d ms | speed-up (best) | best / conv2d | error |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     grouped: dict[tuple[str, str], dict[str, dict]] = {}
     for row in rows:
         if row.get("median_ms") is not None:
             grouped.setdefault((row["layer"], row["dtype"]), {})[row["implementation"]] = row
     for (layer, dtype), found in grouped.items():
-        ours = [found[k] for k in ("tvm_deform default", "tvm_deform tuned") if k in found]
+        ours = [found[k] for k in KERNELS if k in found]
         best = min(ours, key=lambda r: r["median_ms"]) if ours else None
         error = f"{best['error']:.1e}" if best else "-"
         lines.append(
             f"| {layer} | {dtype} | {_ms(found, 'torchvision')} "
             f"| {_ms(found, 'tvm_deform default')} | {_ms(found, 'tvm_deform tuned')} "
-            f"| {_ms(found, ONE_PASS)} | {_ms(found, TENSOR_CORES)} "
+            f"| {_ms(found, PUBLIC_OP)} | {_ms(found, ONE_PASS)} | {_ms(found, TENSOR_CORES)} "
             f"| {_ms(found, 'conv2d (dense)')} "
             f"| {_ratio(found, 'torchvision', best)} "
             f"| {_ratio(found, 'conv2d (dense)', best, inverse=True)} | {error} |"
@@ -341,9 +348,9 @@ def speedup_over_torchvision(rows: list[dict], dtype: str = "float32") -> float 
         if row["dtype"] == dtype and row.get("median_ms") is not None:
             grouped.setdefault(row["layer"], {})[row["implementation"]] = row["median_ms"]
     ratios = [
-        t["torchvision"] / min(v for k, v in t.items() if k.startswith("tvm_deform"))
+        t["torchvision"] / min(v for k, v in t.items() if k in KERNELS)
         for t in grouped.values()
-        if "torchvision" in t and any(k.startswith("tvm_deform") for k in t)
+        if "torchvision" in t and any(k in KERNELS for k in t)
     ]
     return geometric_mean(ratios) if ratios else None
 
