@@ -620,6 +620,19 @@ def test_gpu_session_times_the_schedules_dispatch_does_not_pick(monkeypatch):
     assert gpu_session.speedup_over_torchvision(rows) == pytest.approx(expected)
 
 
+def test_gpu_session_builds_the_extra_schedules_before_timing(monkeypatch):
+    # Compiled in the parallel build step, not one at a time inside the timing.
+    from tvm_deform.tools import gpu_session
+
+    built = []
+    monkeypatch.setattr(gpu_session.schedules, "split_parts", lambda shape, target: 2)
+    monkeypatch.setattr(gpu_session.schedules, "tensor_cores_take", lambda shape, target: True)
+    monkeypatch.setattr(gpu_session, "_one_pass_kernel", lambda *a: built.append("one pass"))
+    monkeypatch.setattr(gpu_session, "_tensor_core_kernel", lambda *a: built.append("tc"))
+    gpu_session._build_one(SUITE["seed"], "cpu")
+    assert built == ["one pass", "tc"]
+
+
 def test_every_device_call_fits(tmp_path):
     # What a GPU session carries: the working tree in every call, one wheel part per call.
     root = Path(__file__).resolve().parent.parent

@@ -12,7 +12,8 @@ call cut short keeps what was done; the exit code is non-zero if any step failed
 2. first kernel: the demo layer's default kernel builds, runs and matches torchvision (about a
    minute); if it does not, the session stops here;
 3. build: every kernel the later steps run (the suite and the checks' configurations, in each
-   dtype), compiled in parallel processes into the kernel cache;
+   dtype, with the one-pass and tensor-core schedules the timing adds where they apply),
+   compiled in parallel processes into the kernel cache;
 4. check: random configurations against torchvision's CUDA ``deform_conv2d`` (float32, and
    float16/bfloat16 against float32 on the upcast inputs), the five gradients of a few against
    torchvision's and repeated to the bit, and a CUDA-graph capture on a side stream (fails if a
@@ -289,6 +290,7 @@ def _tensor_core_kernel(shape: ConvShape, target, args: dict) -> Callable[[], to
 
 
 def _runner(shape: ConvShape, kernel, args: dict) -> Callable[[], torch.Tensor]:
+    """A call of ``kernel`` on ``args`` (the kernel is built, or loaded, when this is made)."""
     from tvm_deform.binding.ops import run_forward
 
     return lambda: run_forward(
@@ -581,8 +583,14 @@ def build_kernels(shapes: list[ConvShape], device: str, workers: int | None = No
 
 
 def _build_one(shape: ConvShape, device: str) -> None:
+    """The default kernel of ``shape``, and the other schedules :func:`time_layers` times
+    beside it (the one pass, tensor cores) where they apply."""
     target = targets.cuda_target(_arch()) if device == "cuda" else targets.host_target()
     kernels.get_kernel(shape, target, tuned=False)
+    if schedules.split_parts(shape, target) > 1:
+        _one_pass_kernel(shape, target, {})
+    if schedules.tensor_cores_take(shape, target):
+        _tensor_core_kernel(shape, target, {})
 
 
 def session_shapes(suite: dict[str, ConvShape], device: str, checks: int) -> list[ConvShape]:
