@@ -212,20 +212,25 @@ class SplitReductionCUDA(DefaultCUDA):
 
     def split_parts(self, func: tirx.PrimFunc) -> int:
         """The parts this rule splits ``func``'s reduction into; 1 where it does not apply."""
-        sch = s_tir.Schedule(func)
+        return self._plan(s_tir.Schedule(func))[0]
+
+    def _plan(self, sch: s_tir.Schedule) -> tuple[int, int, int]:
+        """(parts, threads, registers along the output channels) for the unscheduled PrimFunc
+        in ``sch``; 1 part where the rule does not apply."""
         if not is_deform_conv(sch):
-            return 1
+            return 1, 0, 0
         threads_o, regs_o = self.out_tile(sch)
         parts = self.parts or self.choose_parts(sch, threads_o, regs_o)
         _, _, _, rc, _ = sch.get_loops(sch.get_sblock("conv"))
-        return parts if parts > 1 and int(sch.get(rc).extent) % parts == 0 else 1
+        if parts <= 1 or int(sch.get(rc).extent) % parts:
+            parts = 1
+        return parts, threads_o, regs_o
 
     def apply(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
-        parts = self.split_parts(func)
+        sch = s_tir.Schedule(func)
+        parts, threads_o, regs_o = self._plan(sch)
         if parts == 1:
             return None
-        sch = s_tir.Schedule(func)
-        threads_o, regs_o = self.out_tile(sch)
         _, _, _, rc, _ = sch.get_loops(sch.get_sblock("conv"))
         for name in GEOMETRY:
             self.elementwise(sch, sch.get_sblock(name))

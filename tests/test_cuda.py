@@ -593,10 +593,11 @@ def test_gpu_session_times_the_schedules_dispatch_does_not_pick(monkeypatch):
     # splits the reduction, DefaultCUDA's one pass; where tensor cores take a layer, the
     # tensor-core schedule (the last two stood for here by the CPU's default kernel). Each has
     # a column of its own, which the speed-up over torchvision leaves out.
+    from tvm_deform.runtime import kernels
     from tvm_deform.tools import gpu_session
 
-    def cpu_kernel(shape, target, args):
-        return gpu_session._our_kernel(shape, target, False, args)
+    def cpu_kernel(shape, target):
+        return kernels.get_kernel(shape, target, tuned=False)
 
     monkeypatch.setattr(gpu_session.schedules, "split_parts", lambda shape, target: 4)
     monkeypatch.setattr(gpu_session.schedules, "tensor_cores_take", lambda shape, target: True)

@@ -227,12 +227,12 @@ def time_layers(
                     typed, target, tuned=False, args=args
                 )
                 if schedules.split_parts(typed, target) > 1:
-                    variants[ONE_PASS] = lambda typed=typed, args=args: _one_pass_kernel(
-                        typed, target, args
+                    variants[ONE_PASS] = lambda typed=typed, args=args: _runner(
+                        typed, _one_pass_kernel(typed, target), args
                     )
                 if schedules.tensor_cores_take(typed, target):
-                    variants[TENSOR_CORES] = lambda typed=typed, args=args: _tensor_core_kernel(
-                        typed, target, args
+                    variants[TENSOR_CORES] = lambda typed=typed, args=args: _runner(
+                        typed, _tensor_core_kernel(typed, target), args
                     )
                 variants[PUBLIC_OP] = lambda args=args: lambda: deform_conv2d(**args)
                 variants["conv2d (dense)"] = lambda args=args, kwargs=kwargs, shape=shape: (
@@ -269,28 +269,26 @@ def _our_kernel(shape: ConvShape, target, tuned: bool, args: dict) -> Callable[[
     return _runner(shape, kernels.get_kernel(shape, target, tuned=tuned), args)
 
 
-def _one_pass_kernel(shape: ConvShape, target, args: dict) -> Callable[[], torch.Tensor]:
+def _one_pass_kernel(shape: ConvShape, target) -> kernels.Kernel:
     """The layer under ``DefaultCUDA`` alone, the reduction in one pass, where the default
     splits it: the timing that tells whether the split pays."""
     from tvm_deform.schedules.cuda import DefaultCUDA
 
-    kernel = kernels.load_scheduled(
+    return kernels.load_scheduled(
         shape, target, "one-pass", lambda: DefaultCUDA().apply(definition.forward(shape), target)
     )
-    return _runner(shape, kernel, args)
 
 
-def _tensor_core_kernel(shape: ConvShape, target, args: dict) -> Callable[[], torch.Tensor]:
+def _tensor_core_kernel(shape: ConvShape, target) -> kernels.Kernel:
     """The half-precision layer on tensor cores: the timing that tells whether they should be
     the default again."""
-    kernel = kernels.load_scheduled(
+    return kernels.load_scheduled(
         shape, target, "tensor-cores", lambda: schedules.tensor_core_schedule(shape, target)
     )
-    return _runner(shape, kernel, args)
 
 
 def _runner(shape: ConvShape, kernel, args: dict) -> Callable[[], torch.Tensor]:
-    """A call of ``kernel`` on ``args`` (the kernel is built, or loaded, when this is made)."""
+    """A call of ``kernel`` on ``args``."""
     from tvm_deform.binding.ops import run_forward
 
     return lambda: run_forward(
@@ -588,9 +586,9 @@ def _build_one(shape: ConvShape, device: str) -> None:
     target = targets.cuda_target(_arch()) if device == "cuda" else targets.host_target()
     kernels.get_kernel(shape, target, tuned=False)
     if schedules.split_parts(shape, target) > 1:
-        _one_pass_kernel(shape, target, {})
+        _one_pass_kernel(shape, target)
     if schedules.tensor_cores_take(shape, target):
-        _tensor_core_kernel(shape, target, {})
+        _tensor_core_kernel(shape, target)
 
 
 def session_shapes(suite: dict[str, ConvShape], device: str, checks: int) -> list[ConvShape]:
