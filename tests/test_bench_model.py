@@ -7,6 +7,7 @@ import importlib.util
 import pytest
 import torch
 
+from tvm_deform.ir.definition import ConvShape
 from tvm_deform.tools import bench_model
 from tvm_deform.tools.bench import Timing
 from tvm_deform.tools.cli import main
@@ -97,3 +98,23 @@ def test_peers_also_run_the_dense_variant():
     assert by_name["onnxruntime (whole model)"].timing is not None
     assert by_name["onnxruntime (whole model)"].error < 1e-4
     assert by_name["onnxruntime" + bench_model.DENSE].timing is not None
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("openvino"), reason="needs openvino")
+def test_openvino_layer_times_name_every_dcn_layer():
+    times = bench_model.openvino_layer_times(size=64, runs=1)
+    assert set(times) == set(bench_model.dcn_layers(bench_model.r50_dcnv2("dense")))
+    assert all(ms > 0 for ms in times.values())
+
+
+def test_layer_table_compares_each_layer_with_openvinos():
+    shape = ConvShape(1, 128, 8, 8, 128, 3, 3, pad_h=1, pad_w=1)
+    rows = [
+        bench_model.LayerRow("layer2.1.conv2", shape, 3.0, 2.5, 2.0),
+        bench_model.LayerRow("layer2.2.conv2", shape, 3.0, 2.5, 2.0),
+    ]
+    table = bench_model.layer_table(rows, {"layer2.1.conv2": 2.0})
+    assert "OpenVINO's, in its model ms" in table.splitlines()[0]
+    assert table.splitlines()[2].endswith("| 2.00 | 1.50 |")
+    assert table.splitlines()[3].endswith("|  |  |")  # a layer OpenVINO did not report
+    assert "OpenVINO" not in bench_model.layer_table(rows)

@@ -14,6 +14,7 @@ sample a regular grid point) with a scale that gives offsets of a few pixels.
 from __future__ import annotations
 
 import dataclasses
+import re
 import statistics
 import time
 import warnings
@@ -175,8 +176,9 @@ def onnxruntime_runner(model: nn.Module, example: torch.Tensor, threads: int):
     return lambda x: torch.from_numpy(session.run(None, {name: x.numpy()})[0])
 
 
-def openvino_runner(model: nn.Module, example: torch.Tensor, threads: int):
-    import numpy as np
+def _openvino_compiled(
+    model: nn.Module, example: torch.Tensor, threads: int, profile: bool = False
+):
     import openvino
 
     from tvm_deform.tools.peers import openvino_config
@@ -184,9 +186,35 @@ def openvino_runner(model: nn.Module, example: torch.Tensor, threads: int):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         converted = openvino.convert_model(model, example_input=example)
-    compiled = openvino.Core().compile_model(converted, "CPU", openvino_config(threads))
+    config = openvino_config(threads) | ({"PERF_COUNT": True} if profile else {})
+    return openvino.Core().compile_model(converted, "CPU", config)
+
+
+def openvino_runner(model: nn.Module, example: torch.Tensor, threads: int):
+    import numpy as np
+
+    compiled = _openvino_compiled(model, example, threads)
     request = compiled.create_infer_request()
     return lambda x: torch.from_numpy(np.asarray(request.infer([x.numpy()])[compiled.output(0)]))
+
+
+def openvino_layer_times(size: int = 320, batch: int = 1, runs: int = 10) -> dict[str, float]:
+    """OpenVINO's own time for each DCN layer inside its whole model (the torchvision variant,
+    converted as ``openvino_runner`` does): the median over ``runs`` forwards of its per-layer
+    counters (``PERF_COUNT``), in ms, by the layer's module name (``layer2.0.conv2``). Each is
+    its ``DeformableConvolution`` kernel alone, as our in-model time is our op's call."""
+    model = r50_dcnv2("torchvision")
+    x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1))
+    request = _openvino_compiled(model, x, torch.get_num_threads(), profile=True)
+    request = request.create_infer_request()
+    times: dict[str, list[float]] = {}
+    for run in range(runs + 1):  # the first is a warm-up
+        request.infer([x.numpy()])
+        for node in request.profiling_info:
+            layer = re.search(r"layer\d+\.\d+\.conv2", node.node_name)
+            if run and node.node_type == "DeformableConvolution" and layer:
+                times.setdefault(layer.group(), []).append(node.real_time.total_seconds() * 1e3)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,18 +413,26 @@ def dcn_cost_table(rows: list[ModelRow]) -> str:
     return "\n".join(lines)
 
 
-def layer_table(rows: list[LayerRow]) -> str:
+def layer_table(rows: list[LayerRow], openvino_ms: dict[str, float] | None = None) -> str:
+    """The per-layer table; with ``openvino_ms`` (:func:`openvino_layer_times`), two more
+    columns: OpenVINO's DCN kernel in its own model, and ours inside the model against it."""
+    peer = openvino_ms is not None
     lines = [
         "| DCN layer | input | out | in the model ms | alone, after each forward ms | ratio "
-        "| alone, in a loop ms | ratio |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "| alone, in a loop ms | ratio |"
+        + (" OpenVINO's, in its model ms | ours / OpenVINO's |" if peer else ""),
+        "|---|---|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if peer else ""),
     ]
     for r in rows:
         s = r.shape
-        lines.append(
+        line = (
             f"| {r.name} | {s.in_channels}x{s.height}x{s.width} stride {s.stride_h} "
             f"| {s.out_channels}x{s.out_h}x{s.out_w} | {r.in_model_ms:.2f} "
             f"| {r.after_model_ms:.2f} | {r.in_model_ms / r.after_model_ms:.2f} "
             f"| {r.alone_ms:.2f} | {r.in_model_ms / r.alone_ms:.2f} |"
         )
+        if peer:
+            theirs = openvino_ms.get(r.name)
+            line += f" {theirs:.2f} | {r.in_model_ms / theirs:.2f} |" if theirs else "  |  |"
+        lines.append(line)
     return "\n".join(lines)

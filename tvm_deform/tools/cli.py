@@ -134,8 +134,18 @@ def run_bench_model(args: argparse.Namespace) -> int:
     print(
         "each DCN layer of the tvm_deform model: inside the model (eager) against alone, right "
         "after each forward and in a loop of its own"
+        + (
+            "; and OpenVINO's DCN kernel inside its own model (its per-layer counters)"
+            if "openvino" in peers
+            else ""
+        )
     )
-    layers = bench_model.layer_table(bench_model.layers_in_model(args.size, args.batch))
+    openvino_ms = (
+        bench_model.openvino_layer_times(args.size, args.batch) if "openvino" in peers else None
+    )
+    layers = bench_model.layer_table(
+        bench_model.layers_in_model(args.size, args.batch), openvino_ms
+    )
     print(layers)
     if args.out:
         out = Path(args.out)
