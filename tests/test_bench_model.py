@@ -113,8 +113,19 @@ def test_layer_table_compares_each_layer_with_openvinos():
         bench_model.LayerRow("layer2.1.conv2", shape, 3.0, 2.5, 2.0),
         bench_model.LayerRow("layer2.2.conv2", shape, 3.0, 2.5, 2.0),
     ]
-    table = bench_model.layer_table(rows, {"layer2.1.conv2": 2.0})
-    assert "OpenVINO's, in its model ms" in table.splitlines()[0]
+    table = bench_model.layer_table(rows, openvino_ms={"layer2.1.conv2": 2.0})
+    assert "OpenVINO's, in its model ms | ours (eager) / OpenVINO's |" in table.splitlines()[0]
     assert table.splitlines()[2].endswith("| 2.00 | 1.50 |")
     assert table.splitlines()[3].endswith("|  |  |")  # a layer OpenVINO did not report
     assert "OpenVINO" not in bench_model.layer_table(rows)
+    compiled = {"layer2.1.conv2": 2.4, "layer2.2.conv2": 2.5}
+    table = bench_model.layer_table(rows, compiled, {"layer2.1.conv2": 2.0})
+    assert "| in the compiled model ms |" in table and "ours (compiled)" in table
+    assert table.splitlines()[2].endswith("| 2.40 | 2.00 | 1.20 |")
+    assert all(line.count("|") == table.splitlines()[0].count("|") for line in table.splitlines())
+
+
+def test_compiled_layer_times_name_every_dcn_layer():
+    times = bench_model.compiled_layer_times(size=32, runs=1)
+    assert set(times) == set(bench_model.dcn_layers(bench_model.r50_dcnv2("dense")))
+    assert all(ms > 0 for ms in times.values())

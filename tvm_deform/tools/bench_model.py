@@ -205,8 +205,8 @@ def openvino_layer_times(size: int = 320, batch: int = 1, runs: int = 10) -> dic
     its ``DeformableConvolution`` kernel alone, as our in-model time is our op's call."""
     model = r50_dcnv2("torchvision")
     x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1))
-    request = _openvino_compiled(model, x, torch.get_num_threads(), profile=True)
-    request = request.create_infer_request()
+    compiled = _openvino_compiled(model, x, torch.get_num_threads(), profile=True)
+    request = compiled.create_infer_request()
     times: dict[str, list[float]] = {}
     for run in range(runs + 1):  # the first is a warm-up
         request.infer([x.numpy()])
@@ -413,15 +413,24 @@ def dcn_cost_table(rows: list[ModelRow]) -> str:
     return "\n".join(lines)
 
 
-def layer_table(rows: list[LayerRow], openvino_ms: dict[str, float] | None = None) -> str:
-    """The per-layer table; with ``openvino_ms`` (:func:`openvino_layer_times`), two more
-    columns: OpenVINO's DCN kernel in its own model, and ours inside the model against it."""
-    peer = openvino_ms is not None
+def layer_table(
+    rows: list[LayerRow],
+    compiled_ms: dict[str, float] | None = None,
+    openvino_ms: dict[str, float] | None = None,
+) -> str:
+    """The per-layer table. ``compiled_ms`` (:func:`compiled_layer_times`) adds our op's time
+    inside the compiled model; ``openvino_ms`` (:func:`openvino_layer_times`) OpenVINO's DCN
+    kernel inside its own model, and ours against it (compiled when given, else eager)."""
+    ours_vs = "compiled" if compiled_ms is not None else "eager"
+    extra = (" in the compiled model ms |" if compiled_ms is not None else "") + (
+        f" OpenVINO's, in its model ms | ours ({ours_vs}) / OpenVINO's |"
+        if openvino_ms is not None
+        else ""
+    )
     lines = [
         "| DCN layer | input | out | in the model ms | alone, after each forward ms | ratio "
-        "| alone, in a loop ms | ratio |"
-        + (" OpenVINO's, in its model ms | ours / OpenVINO's |" if peer else ""),
-        "|---|---|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if peer else ""),
+        "| alone, in a loop ms | ratio |" + extra,
+        "|---|---|---|---:|---:|---:|---:|---:|" + "---:|" * extra.count("|"),
     ]
     for r in rows:
         s = r.shape
@@ -431,8 +440,39 @@ def layer_table(rows: list[LayerRow], openvino_ms: dict[str, float] | None = Non
             f"| {r.after_model_ms:.2f} | {r.in_model_ms / r.after_model_ms:.2f} "
             f"| {r.alone_ms:.2f} | {r.in_model_ms / r.alone_ms:.2f} |"
         )
-        if peer:
+        ours = r.in_model_ms
+        if compiled_ms is not None:
+            ours = compiled_ms.get(r.name)
+            line += f" {ours:.2f} |" if ours else "  |"
+        if openvino_ms is not None:
             theirs = openvino_ms.get(r.name)
-            line += f" {theirs:.2f} | {r.in_model_ms / theirs:.2f} |" if theirs else "  |  |"
+            line += f" {theirs:.2f} | {ours / theirs:.2f} |" if theirs and ours else "  |  |"
         lines.append(line)
     return "\n".join(lines)
+
+
+def compiled_layer_times(size: int = 320, batch: int = 1, runs: int = 10) -> dict[str, float]:
+    """Our op's time for each DCN layer inside the model compiled as the benchmark compiles it
+    (``torch.compile``, ``freezing=True``): the median over ``runs`` forwards of the op's events
+    in torch's profiler, by the layer's module name. The compiled graph calls the op once per
+    layer, in the layers' order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = r50_dcnv2("tvm_deform")
+    x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1))
+    call = _compiled(model, x)
+    call()  # a warm-up
+    with profile(activities=[ProfilerActivity.CPU]) as profiled:
+        for _ in range(runs):
+            call()
+    calls = sorted(
+        (e for e in profiled.events() if e.name == "tvm_deform::deform_conv2d"),
+        key=lambda e: e.time_range.start,
+    )
+    names = list(dcn_layers(model))
+    if len(calls) != runs * len(names):
+        raise RuntimeError(f"{len(calls)} op calls in {runs} forwards of {len(names)} layers")
+    return {
+        name: statistics.median(e.time_range.elapsed_us() / 1e3 for e in calls[i :: len(names)])
+        for i, name in enumerate(names)
+    }

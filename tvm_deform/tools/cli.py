@@ -134,17 +134,24 @@ def run_bench_model(args: argparse.Namespace) -> int:
     print(
         "each DCN layer of the tvm_deform model: inside the model (eager) against alone, right "
         "after each forward and in a loop of its own"
+        + ("; inside the compiled model (torch's profiler)" if not args.no_compile else "")
         + (
             "; and OpenVINO's DCN kernel inside its own model (its per-layer counters)"
             if "openvino" in peers
             else ""
         )
     )
-    openvino_ms = (
-        bench_model.openvino_layer_times(args.size, args.batch) if "openvino" in peers else None
+    compiled_ms = (
+        None if args.no_compile else bench_model.compiled_layer_times(args.size, args.batch)
     )
+    openvino_ms = None
+    if "openvino" in peers:
+        try:
+            openvino_ms = bench_model.openvino_layer_times(args.size, args.batch)
+        except Exception as error:  # noqa: BLE001 - the table goes without OpenVINO's columns
+            print(f"OpenVINO's per-layer times failed: {type(error).__name__}: {error}")
     layers = bench_model.layer_table(
-        bench_model.layers_in_model(args.size, args.batch), openvino_ms
+        bench_model.layers_in_model(args.size, args.batch), compiled_ms, openvino_ms
     )
     print(layers)
     if args.out:
