@@ -312,6 +312,25 @@ def test_inductor_passes_its_channels_last_layout_in(monkeypatch):
     assert_close(compiled, expected, 1e-5, "inductor, channels_last")
 
 
+def test_compiled_channels_last_model_copies_no_weight_per_call():
+    """A channels_last model compiled with freezing: the op's weight reaches it NCHW-contiguous
+    as a constant folded at compile time, not copied at every call."""
+    import torch._inductor.config as inductor_config
+
+    model = _ConvThenDeform().eval().to(memory_format=torch.channels_last)
+    assert not model.weight.is_contiguous()
+    x = torch.randn(1, 4, 12, 12).contiguous(memory_format=torch.channels_last)
+    with torch.inference_mode():
+        expected = model(x)
+        with inductor_config.patch(freezing=True):
+            compiled = torch.compile(model, backend="inductor")
+            assert_close(compiled(x), expected, 1e-5, "inductor, channels_last model")
+        with torch.profiler.profile(record_shapes=True) as profile:
+            compiled(x)
+    copies = [e.input_shapes for e in profile.events() if e.name in ("aten::copy_", "aten::clone")]
+    assert list(model.weight.shape) not in [shape for shapes in copies for shape in shapes]
+
+
 def test_public_api():
     assert tvm_deform.deform_conv2d is deform_conv2d
     assert "mask" in deform_conv2d.__doc__

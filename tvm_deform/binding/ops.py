@@ -513,6 +513,13 @@ def _checked_call(
     for tensor in tensors:
         if tensor is not None and not isinstance(tensor, (torch.Tensor, torch.fx.Proxy)):
             _op_shape(*tensors, *geometry)  # raises, naming the argument
+    if torch.compiler.is_compiling():
+        # The kernels read the weight NCHW-contiguous; the op would copy a channels_last one at
+        # every call. Copied here, in the traced graph, the copy of a frozen weight is folded
+        # into a constant by inductor's freezing (a channels_last R50-DCNv2 ran 1.17x slower
+        # compiled than the same model NCHW, copying 45 MB of weights a forward).
+        weight = weight.contiguous()
+        tensors = (input, offset, weight, bias, mask)
     if _dispatcher_adds_nothing(tensors):
         return _forward(*tensors, *geometry, offset_grad_rule=offset_grad_rule)
     return torch.ops.tvm_deform.deform_conv2d(*tensors, *geometry, offset_grad_rule)
