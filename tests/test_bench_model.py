@@ -123,9 +123,28 @@ def test_layer_table_compares_each_layer_with_openvinos():
     assert "| in the compiled model ms |" in table and "ours (compiled)" in table
     assert table.splitlines()[2].endswith("| 2.40 | 2.00 | 1.20 |")
     assert all(line.count("|") == table.splitlines()[0].count("|") for line in table.splitlines())
+    table = bench_model.layer_table(
+        rows, compiled, {"layer2.1.conv2": 2.0}, {"layer2.2.conv2": 2.0}
+    )
+    assert "| dense conv2d there, compiled ms | ours (compiled) / dense |" in table
+    assert table.splitlines()[2].endswith("| 2.40 |  |  | 2.00 | 1.20 |")
+    assert table.splitlines()[3].endswith("| 2.50 | 2.00 | 1.25 |  |  |")
+    assert all(line.count("|") == table.splitlines()[0].count("|") for line in table.splitlines())
 
 
-def test_compiled_layer_times_name_every_dcn_layer():
-    times = bench_model.compiled_layer_times(size=32, runs=1)
+@pytest.mark.parametrize("implementation", ["tvm_deform", "dense"])
+def test_compiled_layer_times_name_every_dcn_layer(implementation):
+    times = bench_model.compiled_layer_times(size=32, runs=2, implementation=implementation)
     assert set(times) == set(bench_model.dcn_layers(bench_model.r50_dcnv2("dense")))
     assert all(ms > 0 for ms in times.values())
+
+
+def test_floor_variant_runs_the_offset_branch_and_gives_the_dense_output():
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    floor = bench_model.r50_dcnv2("dense_with_offsets")
+    ran = []
+    for layer in bench_model.dcn_layers(floor).values():
+        layer.offset_conv.register_forward_hook(lambda *_: ran.append(1))
+    with torch.inference_mode():
+        assert torch.equal(floor(x), bench_model.r50_dcnv2("dense")(x))
+    assert len(ran) == 13

@@ -26,8 +26,16 @@ from torch import nn
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.tools.bench import ROUNDS, Timing, combine, measure, relative_error
 
-#: implementation name -> the deform_conv2d it calls (torchvision's imported lazily)
-IMPLEMENTATIONS = ("torchvision", "tvm_deform", "dense")
+#: what takes each DCN layer's place: torchvision's op, ours, a dense conv2d (the ceiling), or a
+#: dense conv2d whose offset branch still runs (the floor of any DCN kernel in that runtime)
+IMPLEMENTATIONS = ("torchvision", "tvm_deform", "dense", "dense_with_offsets")
+#: the model table's row of each implementation (a row without "dense" is checked for errors)
+LABELS = {
+    "torchvision": "torch + torchvision",
+    "tvm_deform": "torch + tvm_deform",
+    "dense": "torch + dense conv2d in place",
+    "dense_with_offsets": "torch + dense conv2d in place, offset convs kept",
+}
 #: the label suffix of a peer's row on the dense variant
 DENSE = ", dense conv2d in place"
 
@@ -44,8 +52,10 @@ def _deform_function(implementation: str) -> Callable[..., torch.Tensor]:
 
 class DCNv2(nn.Module):
     """A 3x3 DCNv2 layer with its offset/mask conv, in place of ``conv`` (whose weight, stride,
-    padding and dilation it keeps). ``implementation`` picks torchvision's op, ours, or
-    ``"dense"``: the plain conv, no offsets (the ceiling)."""
+    padding and dilation it keeps). ``implementation`` picks torchvision's op, ours,
+    ``"dense"``: the plain conv, no offsets (the ceiling), or ``"dense_with_offsets"``: the
+    offsets and mask computed as for a DCN, then the plain conv (what a DCN layer would cost
+    if its kernel ran as fast as the runtime's dense conv)."""
 
     def __init__(self, conv: nn.Conv2d, implementation: str, offset_std: float = 0.02):
         super().__init__()
@@ -65,15 +75,17 @@ class DCNv2(nn.Module):
         nn.init.normal_(self.offset_conv.weight, std=offset_std)
         nn.init.zeros_(self.offset_conv.bias)
         self.taps = taps
-        self.deform = None if implementation == "dense" else _deform_function(implementation)
+        dense = implementation.startswith("dense")
+        self.deform = None if dense else _deform_function(implementation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.deform is None:
-            return nn.functional.conv2d(
-                x, self.weight, None, self.stride, self.padding, self.dilation
-            )
+        if self.implementation == "dense":
+            return self._dense(x)
         out = self.offset_conv(x)
         offset, mask = out[:, : 2 * self.taps], out[:, 2 * self.taps :].sigmoid()
+        if self.deform is None:
+            # A term that adds zero keeps the offset branch from being removed as dead code.
+            return self._dense(x) + 0.0 * (offset.sum() + mask.sum())
         return self.deform(
             x,
             offset,
@@ -84,6 +96,9 @@ class DCNv2(nn.Module):
             dilation=self.dilation,
             mask=mask,
         )
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.conv2d(x, self.weight, None, self.stride, self.padding, self.dilation)
 
     def shape(self, x: torch.Tensor) -> ConvShape:
         """The deformable convolution this layer runs on input ``x``."""
@@ -243,15 +258,11 @@ def run(
     with torch.inference_mode():
         expected = models["torchvision"](x)
         candidates: dict[str, Callable[[], torch.Tensor]] = {
-            f"torch + {name}" if name != "dense" else "torch + dense conv2d in place": (
-                lambda m=models[name]: m(x)
-            )
-            for name in IMPLEMENTATIONS
+            LABELS[name]: lambda m=models[name]: m(x) for name in IMPLEMENTATIONS
         }
     if compiled:
         for name in IMPLEMENTATIONS:
-            label = "torch + dense conv2d in place" if name == "dense" else f"torch + {name}"
-            candidates[f"{label}, torch.compile"] = _compiled(models[name], x)
+            candidates[f"{LABELS[name]}, torch.compile"] = _compiled(models[name], x)
     # Each peer also runs the dense variant, so that what the DCN layers cost each runtime can
     # be told apart from how fast it runs the rest of the network.
     for peer in peers:
@@ -391,6 +402,11 @@ DCN_COST_PAIRS = (
         "torch + dense conv2d in place, torch.compile",
         "torch.compile, tvm_deform",
     ),
+    (
+        "torch + dense conv2d in place, offset convs kept, torch.compile",
+        "torch + dense conv2d in place, torch.compile",
+        "torch.compile, offset convs only (no DCN kernel)",
+    ),
     ("onnxruntime (whole model)", "onnxruntime" + DENSE, "onnxruntime"),
     ("openvino (whole model)", "openvino" + DENSE, "openvino"),
 )
@@ -417,16 +433,21 @@ def layer_table(
     rows: list[LayerRow],
     compiled_ms: dict[str, float] | None = None,
     openvino_ms: dict[str, float] | None = None,
+    dense_ms: dict[str, float] | None = None,
 ) -> str:
     """The per-layer table. ``compiled_ms`` (:func:`compiled_layer_times`) adds our op's time
-    inside the compiled model; ``openvino_ms`` (:func:`openvino_layer_times`) OpenVINO's DCN
-    kernel inside its own model, and ours against it (compiled when given, else eager)."""
+    inside the compiled model; ``dense_ms`` (the same, ``"dense"``) the dense conv at the
+    layer's place in the compiled dense model, and ours against it; ``openvino_ms``
+    (:func:`openvino_layer_times`) OpenVINO's DCN kernel inside its own model, and ours against
+    it (compiled when given, else eager)."""
     ours_vs = "compiled" if compiled_ms is not None else "eager"
-    extra = (" in the compiled model ms |" if compiled_ms is not None else "") + (
-        f" OpenVINO's, in its model ms | ours ({ours_vs}) / OpenVINO's |"
-        if openvino_ms is not None
-        else ""
-    )
+    extra = ""
+    if compiled_ms is not None:
+        extra += " in the compiled model ms |"
+    if dense_ms is not None:
+        extra += f" dense conv2d there, compiled ms | ours ({ours_vs}) / dense |"
+    if openvino_ms is not None:
+        extra += f" OpenVINO's, in its model ms | ours ({ours_vs}) / OpenVINO's |"
     lines = [
         "| DCN layer | input | out | in the model ms | alone, after each forward ms | ratio "
         "| alone, in a loop ms | ratio |" + extra,
@@ -444,35 +465,63 @@ def layer_table(
         if compiled_ms is not None:
             ours = compiled_ms.get(r.name)
             line += f" {ours:.2f} |" if ours else "  |"
-        if openvino_ms is not None:
-            theirs = openvino_ms.get(r.name)
-            line += f" {theirs:.2f} | {ours / theirs:.2f} |" if theirs and ours else "  |  |"
+        for peer in (dense_ms, openvino_ms):
+            if peer is not None:
+                theirs = peer.get(r.name)
+                line += f" {theirs:.2f} | {ours / theirs:.2f} |" if theirs and ours else "  |  |"
         lines.append(line)
     return "\n".join(lines)
 
 
-def compiled_layer_times(size: int = 320, batch: int = 1, runs: int = 10) -> dict[str, float]:
-    """Our op's time for each DCN layer inside the model compiled as the benchmark compiles it
-    (``torch.compile``, ``freezing=True``): the median over ``runs`` forwards of the op's events
-    in torch's profiler, by the layer's module name. The compiled graph calls the op once per
-    layer, in the layers' order."""
+def compiled_layer_times(
+    size: int = 320, batch: int = 1, runs: int = 10, implementation: str = "tvm_deform"
+) -> dict[str, float]:
+    """The time of each DCN layer inside the model compiled as the benchmark compiles it
+    (``torch.compile``, ``freezing=True``): the median over ``runs`` forwards of its op's
+    events in torch's profiler, by the layer's module name. With ``"tvm_deform"`` the op is
+    ours (the compiled graph calls it once per layer, in the layers' order); with ``"dense"``
+    it is the dense 3x3 conv at the layer's place: the last 3x3 convs of each forward (c3-c5
+    come after the dense c2), whatever kernel torch picked for them."""
     from torch.profiler import ProfilerActivity, profile
 
-    model = r50_dcnv2("tvm_deform")
+    if implementation not in ("tvm_deform", "dense"):
+        raise ValueError(f"implementation must be 'tvm_deform' or 'dense', got {implementation!r}")
+    model = r50_dcnv2(implementation)
     x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1))
     call = _compiled(model, x)
     call()  # a warm-up
-    with profile(activities=[ProfilerActivity.CPU]) as profiled:
+    dense = implementation == "dense"
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=dense) as profiled:
         for _ in range(runs):
             call()
     calls = sorted(
-        (e for e in profiled.events() if e.name == "tvm_deform::deform_conv2d"),
+        (e for e in profiled.events() if _is_layer_call(e, dense)),
         key=lambda e: e.time_range.start,
     )
     names = list(dcn_layers(model))
-    if len(calls) != runs * len(names):
+    per_forward, rest = divmod(len(calls), runs)
+    if rest or per_forward < len(names) or (not dense and per_forward != len(names)):
         raise RuntimeError(f"{len(calls)} op calls in {runs} forwards of {len(names)} layers")
+    first = per_forward - len(names)
     return {
-        name: statistics.median(e.time_range.elapsed_us() / 1e3 for e in calls[i :: len(names)])
+        name: statistics.median(
+            e.time_range.elapsed_us() / 1e3 for e in calls[first + i :: per_forward]
+        )
         for i, name in enumerate(names)
     }
+
+
+def _is_layer_call(event, dense: bool) -> bool:
+    """Whether a profiler event is a DCN layer's call: our op, or (``dense``) a conv whose
+    weight is 3x3 and is not an offset conv's (27 output channels)."""
+    if not dense:
+        return event.name == "tvm_deform::deform_conv2d"
+    if "conv" not in event.name or len(event.input_shapes) < 2:
+        return False
+    parent = event.cpu_parent
+    while parent is not None:  # the outermost conv event only (aten's convs nest)
+        if "conv" in parent.name:
+            return False
+        parent = parent.cpu_parent
+    weight = event.input_shapes[1]
+    return len(weight) == 4 and weight[2:] == [3, 3] and weight[0] != 3 * 9

@@ -134,16 +134,22 @@ def run_bench_model(args: argparse.Namespace) -> int:
     print(
         "each DCN layer of the tvm_deform model: inside the model (eager) against alone, right "
         "after each forward and in a loop of its own"
-        + ("; inside the compiled model (torch's profiler)" if not args.no_compile else "")
+        + (
+            "; inside the compiled model, and the dense conv at its place in the compiled dense "
+            "model (torch's profiler)"
+            if not args.no_compile
+            else ""
+        )
         + (
             "; and OpenVINO's DCN kernel inside its own model (its per-layer counters)"
             if "openvino" in peers
             else ""
         )
     )
-    compiled_ms = (
-        None if args.no_compile else bench_model.compiled_layer_times(args.size, args.batch)
-    )
+    compiled_ms = dense_ms = None
+    if not args.no_compile:
+        compiled_ms = bench_model.compiled_layer_times(args.size, args.batch)
+        dense_ms = bench_model.compiled_layer_times(args.size, args.batch, implementation="dense")
     openvino_ms = None
     if "openvino" in peers:
         try:
@@ -151,7 +157,7 @@ def run_bench_model(args: argparse.Namespace) -> int:
         except Exception as error:  # noqa: BLE001 - the table goes without OpenVINO's columns
             print(f"OpenVINO's per-layer times failed: {type(error).__name__}: {error}")
     layers = bench_model.layer_table(
-        bench_model.layers_in_model(args.size, args.batch), compiled_ms, openvino_ms
+        bench_model.layers_in_model(args.size, args.batch), compiled_ms, openvino_ms, dense_ms
     )
     print(layers)
     if args.out:
