@@ -1,7 +1,9 @@
 """Whole-model benchmark (tools layer): ResNet-50 with DCNv2 in stages c3-c5, as mmdetection's
 ``r50`` DCNv2 backbone lays it out, run by torch with torchvision's op, with ours, and with a
-dense conv2d in place of each DCN; eager and under ``torch.compile``; and by ONNX Runtime and
-OpenVINO on the whole model. Every row is checked against torch + torchvision.
+dense conv2d in place of each DCN (the ceiling), and with a dense conv2d in place whose offset
+convs still run (the floor: the model with a DCN kernel as fast as the runtime's dense conv);
+eager and under ``torch.compile``; and by ONNX Runtime and OpenVINO on the whole model. Every
+row is checked against torch + torchvision.
 
 The backbone: torchvision's ``resnet50`` (random init, eval mode) whose 3x3 conv in every
 bottleneck of ``layer2``-``layer4`` becomes a DCNv2 layer. Its offsets and mask come from a 3x3
