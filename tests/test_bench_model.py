@@ -76,6 +76,19 @@ def test_bench_model_command(tmp_path, capsys):
     assert (tmp_path / "bench-model.md").exists()
 
 
+def test_bench_model_command_profiles_the_models_it_compiled(capsys, monkeypatch):
+    compiles = []
+    compile_model = bench_model._compiled
+    monkeypatch.setattr(
+        bench_model, "_compiled", lambda *a: compiles.append(1) or compile_model(*a)
+    )
+    assert main(["bench-model", "--size", "32", "--runs", "1", "--no-peers"]) == 0
+    out = capsys.readouterr().out
+    assert "| torch + dense conv2d in place, offset convs kept, torch.compile |" in out
+    assert "| dense conv2d there, compiled ms | ours (compiled) / dense |" in out
+    assert len(compiles) == len(bench_model.IMPLEMENTATIONS)  # each model compiled once
+
+
 def test_dcn_cost_table_subtracts_each_runtimes_dense_row():
     timing = lambda ms: Timing(ms, ms, ms, 1)  # noqa: E731
     rows = [

@@ -249,10 +249,13 @@ def run(
     peers: tuple[str, ...] = ("onnxruntime", "openvino"),
     runs: int = 10,
     log: Callable[[str], None] = print,
+    compiled_calls: dict[str, Callable[[], torch.Tensor]] | None = None,
 ) -> list[ModelRow]:
     """Time the backbone on a random ``batch x 3 x size x size`` input every way (see the
     module docstring): at least ``runs`` runs a row, in interleaved rounds; a row's time is the
-    median of its rounds' medians."""
+    median of its rounds' medians. ``compiled_calls``, when given, receives each
+    implementation's compiled forward, for :func:`compiled_layer_times` to profile without
+    compiling the model again."""
     threads = torch.get_num_threads()
     x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1))
     models = {name: r50_dcnv2(name) for name in IMPLEMENTATIONS}
@@ -264,7 +267,10 @@ def run(
         }
     if compiled:
         for name in IMPLEMENTATIONS:
-            candidates[f"{LABELS[name]}, torch.compile"] = _compiled(models[name], x)
+            call = _compiled(models[name], x)
+            candidates[f"{LABELS[name]}, torch.compile"] = call
+            if compiled_calls is not None:
+                compiled_calls[name] = call
     # Each peer also runs the dense variant, so that what the DCN layers cost each runtime can
     # be told apart from how fast it runs the rest of the network.
     for peer in peers:
@@ -476,21 +482,28 @@ def layer_table(
 
 
 def compiled_layer_times(
-    size: int = 320, batch: int = 1, runs: int = 10, implementation: str = "tvm_deform"
+    size: int = 320,
+    batch: int = 1,
+    runs: int = 10,
+    implementation: str = "tvm_deform",
+    call: Callable[[], torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """The time of each DCN layer inside the model compiled as the benchmark compiles it
     (``torch.compile``, ``freezing=True``): the median over ``runs`` forwards of its op's
     events in torch's profiler, by the layer's module name. With ``"tvm_deform"`` the op is
     ours (the compiled graph calls it once per layer, in the layers' order); with ``"dense"``
     it is the dense 3x3 conv at the layer's place: the last 3x3 convs of each forward (c3-c5
-    come after the dense c2), whatever kernel torch picked for them."""
+    come after the dense c2), whatever kernel torch picked for them. ``call``: that model's
+    compiled forward on the benchmark's input, as :func:`run` hands it out (compiled here when
+    not given)."""
     from torch.profiler import ProfilerActivity, profile
 
     if implementation not in ("tvm_deform", "dense"):
         raise ValueError(f"implementation must be 'tvm_deform' or 'dense', got {implementation!r}")
     model = r50_dcnv2(implementation)
-    x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1))
-    call = _compiled(model, x)
+    if call is None:
+        x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1))
+        call = _compiled(model, x)
     call()  # a warm-up
     dense = implementation == "dense"
     with profile(activities=[ProfilerActivity.CPU], record_shapes=dense) as profiled:

@@ -121,8 +121,14 @@ def run_bench_model(args: argparse.Namespace) -> int:
         f"in {bench_model.ROUNDS} interleaved rounds, the median of the rounds' medians; every "
         "row checked against torch + torchvision"
     )
+    compiled_calls: dict = {}
     rows = bench_model.run(
-        args.size, args.batch, compiled=not args.no_compile, peers=peers, runs=args.runs
+        args.size,
+        args.batch,
+        compiled=not args.no_compile,
+        peers=peers,
+        runs=args.runs,
+        compiled_calls=compiled_calls,
     )
     table = bench_model.model_table(rows)
     print(table)
@@ -148,8 +154,10 @@ def run_bench_model(args: argparse.Namespace) -> int:
     )
     compiled_ms = dense_ms = None
     if not args.no_compile:
-        compiled_ms = bench_model.compiled_layer_times(args.size, args.batch)
-        dense_ms = bench_model.compiled_layer_times(args.size, args.batch, implementation="dense")
+        compiled_ms, dense_ms = (
+            bench_model.compiled_layer_times(implementation=name, call=compiled_calls[name])
+            for name in ("tvm_deform", "dense")
+        )
     openvino_ms = None
     if "openvino" in peers:
         try:
