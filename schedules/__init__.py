@@ -1,53 +1,80 @@
 """How the kernels are scheduled (installed as ``tvm_deform.schedules``): one module per target
 family and kernel (:mod:`.cpu`, :mod:`.cpu_backward`, :mod:`.cuda`, :mod:`.cuda_backward`,
-:mod:`.cuda_tensor_core`), what they share (:mod:`.common`), and the registry below, which says
-which rules schedule which kernel on which kind of target.
+:mod:`.cuda_tensor_core`), what they share (:mod:`.common`, :mod:`.rule`), and the registry
+below.
 
-A rule is an object with ``apply(func, target) -> Schedule | None``; None means "not a PrimFunc
-I schedule". The rules of a (kernel, target kind) are tried in order and the first schedule
-wins, as TVM's dlight does with its rule lists. :func:`forward_schedule` is the forward's default
-schedule; :func:`tensor_core_schedule` puts a half-precision layer on tensor cores
-(:mod:`.cuda_tensor_core`), which is not the default."""
+A rule (:class:`.rule.Rule`) is one structure of one kernel on one kind of target, in the manner
+of TVM's dlight rules: ``apply(func, target, tunable)`` gives its default schedule
+(``tunable=False``) or its MetaSchedule design space (``tunable=True``) from the same code, and
+None where it does not take ``func``. :data:`RULES` lists them once, in order: the default
+schedule of a kernel is the first default rule that takes the PrimFunc (:func:`apply_default`);
+its tuning space is the design spaces of every rule that takes it (:func:`design_spaces`).
+:func:`forward_schedule` is the forward's default schedule; :func:`tensor_core_schedule` puts a
+half-precision layer on tensor cores (:mod:`.cuda_tensor_core`), which is not the default."""
 
 from __future__ import annotations
 
 from tvm import s_tir, tirx
 from tvm.target import Target
-from tvm_deform.schedules.cpu import DefaultCPU
-from tvm_deform.schedules.cpu_backward import DefaultCPUBackward, DefaultCPUGradInput
-from tvm_deform.schedules.cuda import DefaultCUDA, SplitReductionCUDA
-from tvm_deform.schedules.cuda_backward import DefaultCUDABackward, DefaultCUDAGradInput
+from tvm_deform.schedules.cpu import ColumnTileCPU, InlineCPU, OutputChannelCPU
+from tvm_deform.schedules.cpu_backward import BackwardCPU, GradInputCPU
+from tvm_deform.schedules.cuda import OnePassCUDA, SplitReductionCUDA
+from tvm_deform.schedules.cuda_backward import BackwardCUDA, GradInputCUDA
 from tvm_deform.schedules.cuda_tensor_core import MIN_ARCH as TENSOR_CORE_MIN_ARCH
 from tvm_deform.schedules.cuda_tensor_core import TensorCoreCUDA
+from tvm_deform.schedules.rule import Rule
 
 from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape
 
-#: (kernel, target kind) -> the default rules, in the order they are tried. The kernels are
-#: those of :mod:`tvm_deform.ir.definition`: "forward", "backward" (every gradient but the
-#: input's) and "grad_input" (the input's scatter).
-DEFAULT_RULES = {
-    ("forward", "llvm"): (DefaultCPU,),
-    # A layer with too few output tiles to fill a GPU gets its reduction split over blocks.
-    ("forward", "cuda"): (SplitReductionCUDA, DefaultCUDA),
-    ("backward", "llvm"): (DefaultCPUBackward,),
-    ("grad_input", "llvm"): (DefaultCPUGradInput,),
-    ("backward", "cuda"): (DefaultCUDABackward,),
-    ("grad_input", "cuda"): (DefaultCUDAGradInput,),
-}
+#: every rule, in the order the default tries them for a (kernel, target kind): depthwise
+#: layers inline their samples, small weights on large maps vectorise along the output
+#: channels, the rest take the column tiles; on a GPU, a layer with too few output tiles to
+#: fill it gets its reduction split over thread blocks
+RULES: tuple[Rule, ...] = (
+    InlineCPU(),
+    OutputChannelCPU(),
+    ColumnTileCPU(),
+    BackwardCPU(),
+    GradInputCPU(),
+    SplitReductionCUDA(),
+    OnePassCUDA(),
+    TensorCoreCUDA(),
+    BackwardCUDA(),
+    GradInputCUDA(),
+)
+
+
+def rules_for(kernel: str, target: Target) -> list[Rule]:
+    """The rules of ``kernel`` ("forward", "backward", "grad_input") for ``target``'s kind, in
+    order."""
+    return [r for r in RULES if r.kernel == kernel and r.target_kind == target.kind.name]
 
 
 def apply_default(kernel: str, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule:
     """``func`` (the PrimFunc of ``kernel``) under the first default rule for ``target``'s kind
-    that applies."""
-    rules = DEFAULT_RULES.get((kernel, target.kind.name))
-    if rules is None:
+    that takes it."""
+    rules = [r for r in rules_for(kernel, target) if r.default]
+    if not rules:
         raise NotImplementedError(f"no default {kernel} schedule for {target.kind.name}")
     for rule in rules:
-        sch = rule().apply(func, target)
+        sch = rule.apply(func, target)
         if sch is not None:
             return sch
     raise RuntimeError(f"no {kernel} schedule applies to this {target.kind.name} PrimFunc")
+
+
+def design_spaces(kernel: str, func: tirx.PrimFunc, target: Target) -> list[s_tir.Schedule]:
+    """The MetaSchedule design spaces of ``func`` (the PrimFunc of ``kernel``) on ``target``:
+    every rule's space that takes it, in :data:`RULES` order."""
+    spaces: list[s_tir.Schedule] = []
+    for rule in rules_for(kernel, target):
+        space = rule.apply(func, target, tunable=True)
+        if isinstance(space, list):
+            spaces.extend(space)
+        elif space is not None:
+            spaces.append(space)
+    return spaces
 
 
 def forward_schedule(shape: ConvShape, target: Target, layout: str = "NCHW") -> s_tir.Schedule:
@@ -81,7 +108,7 @@ def split_parts(shape: ConvShape, target: Target, layout: str = "NCHW") -> int:
     blocks (:class:`.cuda.SplitReductionCUDA`); 1 where it does not."""
     if target.kind.name != "cuda":
         return 1
-    return SplitReductionCUDA().split_parts(definition.forward(shape, layout))
+    return SplitReductionCUDA().split_parts(definition.forward(shape, layout), target)
 
 
 def _tensor_core_definition(shape: ConvShape, target: Target, layout: str) -> tirx.PrimFunc | None:

@@ -1,8 +1,10 @@
 """CPU schedules of the deformable convolution (LLVM targets).
 
-``DefaultCPU`` is the untuned schedule used for any shape that has no tuning record;
-``HandwrittenSpace`` is the same structures with their tile sizes left to MetaSchedule (sampled
-choices that its search draws and scores). The structure:
+Three rules (:class:`tvm_deform.schedules.rule.Rule`), one per structure, each giving the default
+schedule (used for any shape that has no tuning record) and the MetaSchedule design space (the
+same structure with its tile sizes as sampled choices that the search draws and scores):
+:class:`InlineCPU`, :class:`OutputChannelCPU` and :class:`ColumnTileCPU`, tried in that order by
+the default. The column-tile structure:
 
 - the parallel loop is outermost and runs over (batch, tile of output pixels);
 - under it, the sampling geometry of the tile is computed once per offset group, then the tile of
@@ -50,16 +52,149 @@ from tvm_deform.schedules.common import (
     largest_divisor,
     vector_registers,
 )
+from tvm_deform.schedules.rule import Choices, Rule
 
 from tvm_deform.ir.definition import PIXEL_QUANTUM
 
 
-class DefaultCPU:
-    """The untuned CPU schedule: valid for every shape and dtype the definition produces.
+class ForwardCPU(Rule):
+    """What the CPU forward rules share: they take the forward PrimFunc of
+    :mod:`tvm_deform.ir.definition`, read its :class:`Layer`, and ask :meth:`takes` whether the
+    layer is theirs before :meth:`schedule` lays the structure out."""
 
-    ``apply(func, target)`` returns a :class:`tvm.s_tir.Schedule`, or ``None`` when ``func`` is
-    not a deformable convolution from :mod:`tvm_deform.ir.definition`.
-    """
+    kernel = "forward"
+    target_kind = "llvm"
+
+    def apply(
+        self, func: tirx.PrimFunc, target: Target, tunable: bool = False
+    ) -> s_tir.Schedule | None:
+        sch = s_tir.Schedule(func)
+        if not is_deform_conv(sch):
+            return None
+        layer = Layer.of(sch)
+        if not self.takes(layer, _lanes(sch, target), tunable):
+            return None
+        self._schedule(sch, target, Choices(sch, tunable))
+        return sch
+
+    def _schedule(self, sch: s_tir.Schedule, target: Target, choose: Choices, **options) -> None:
+        layer = Layer.of(sch)
+        registers = vector_registers(target)
+        self.schedule(sch, layer, _lanes(sch, target), registers, choose, **options)
+
+    def takes(self, layer: Layer, vector: int, tunable: bool) -> bool:
+        raise NotImplementedError
+
+    def schedule(
+        self, sch: s_tir.Schedule, layer: Layer, vector: int, registers: int, choose: Choices
+    ) -> None:
+        raise NotImplementedError
+
+
+class InlineCPU(ForwardCPU):
+    """The inline structure (module docstring), for depthwise-like layers: the default's and
+    the space's. Sampled: the register block's pixels (4 to 32) and channels (4 to 32,
+    dividing the channels per offset group)."""
+
+    #: the default register block: pixels by vectors of channels (with 32 vector registers;
+    #: one vector with 16). 8 x 2 ran the 128-channel 56x56 layer about 20% faster than 16 x 1
+    #: on a Zen 5
+    pixels = 8
+    vectors = 2
+    #: the space's candidates
+    pixel_candidates = (4, 8, 16, 32)
+    channel_candidates = (4, 8, 16, 32)
+
+    def takes(self, layer: Layer, vector: int, tunable: bool) -> bool:
+        return layer.samples_used_once
+
+    def schedule(self, sch, layer, vector, registers, choose) -> None:
+        per_group = layer.channels_per_offset_group
+        vectors = self.vectors if registers >= 32 else 1
+        apply_inline_structure(
+            sch,
+            [
+                None,
+                choose(
+                    self.pixel_candidates,
+                    _dividing_tile(layer.pixels, self.pixels),
+                    lambda t: layer.pixels % t == 0 and t < layer.pixels,
+                ),
+            ],
+            [
+                None,
+                choose(
+                    self.channel_candidates,
+                    largest_divisor(per_group, vector * vectors),
+                    lambda b: per_group % b == 0 and b < layer.out_channels,
+                ),
+            ],
+        )
+
+
+class OutputChannelCPU(ForwardCPU):
+    """The output-channel structure (module docstring). The default takes the layers of
+    :meth:`Layer.suits_output_channel_vectors`; the space takes any layer with at least 2
+    channels per offset group, a map of at least two of the largest tiles and a weight of at
+    most 4 x ``PACKED_WEIGHT_MAX`` elements. Sampled: the column tile (16 to 64 pixels), the
+    register block's pixels (4 or 8) and its vector of output channels (8 to 64, dividing the
+    output channels per group)."""
+
+    #: the default: pixels per column tile, and pixels of the register block (with 32 vector
+    #: registers; 4 with 16) by two vectors of output channels
+    tile = 32
+    block_pixels = 8
+    #: the space's candidates
+    tile_candidates = (16, 32, 64)
+    block_pixel_candidates = (4, 8)
+    vector_candidates = (8, 16, 32, 64)
+
+    def takes(self, layer: Layer, vector: int, tunable: bool) -> bool:
+        if not tunable:
+            return layer.suits_output_channel_vectors(vector)
+        return (
+            layer.channels_per_offset_group >= 2
+            and layer.pixels >= 2 * max(self.tile_candidates)
+            and layer.out_channels * layer.in_per_group * layer.taps <= 4 * PACKED_WEIGHT_MAX
+            and any(self._vector_fits(layer, b) for b in self.vector_candidates)
+        )
+
+    @staticmethod
+    def _vector_fits(layer: Layer, block: int) -> bool:
+        return layer.out_per_group % block == 0 and block < layer.out_channels
+
+    def schedule(self, sch, layer, vector, registers, choose) -> None:
+        default_tile = _dividing_tile(layer.pixels, self.tile)
+        tile = choose(
+            self.tile_candidates,
+            default_tile,
+            lambda t: layer.pixels % t == 0 and t < layer.pixels,
+        )
+        block = largest_divisor(default_tile, self.block_pixels if registers >= 32 else 4)
+        apply_output_channel_structure(
+            sch,
+            [None, tile],
+            [None, choose(self.block_pixel_candidates, block)],
+            [
+                None,
+                choose(
+                    self.vector_candidates,
+                    largest_divisor(layer.out_per_group, vector * 2),
+                    lambda b: self._vector_fits(layer, b),
+                ),
+            ],
+        )
+
+
+class ColumnTileCPU(ForwardCPU):
+    """The column-tile structure (module docstring), with pixel-vectorised sampling or, where a
+    layer has ``CHANNELS_LAST_MIN`` channels per offset group, channels-last sampling: the
+    default for every layer the other rules leave. As a space it is two design spaces (a
+    structure is not a sampled choice, since a trace replays its instructions whatever the
+    decisions): pixel-vectorised sampling, and channels-last sampling where a vector of
+    channels per offset group is at least 2 wide. Sampled: the pixel tile (8 to
+    ``PIXEL_QUANTUM`` pixels, dividing the padded pixel axis) and the register block's output
+    channels (2 to 16, dividing the output channels)."""
 
     #: output channels held in registers at once (rows of the register block), with 32 vector
     #: registers (AVX-512, NEON) and with 16 (AVX2): 8 x 2 accumulators spill on AVX2, where
@@ -68,51 +203,56 @@ class DefaultCPU:
     out_block_16_registers = 6
     #: vectors along the pixels in the register block (columns of the register block)
     vectors_per_tile = 2
-    #: the register block of the inline (depthwise) structure: pixels by vectors of channels
-    #: (with 32 vector registers; one with 16). 8 x 2 ran the 128-channel 56x56 layer about 20%
-    #: faster than 16 x 1 on a Zen 5
-    inline_pixels = 8
-    inline_vectors = 2
-    #: the output-channel structure: pixels per column tile, and pixels of the register block
-    #: (with 32 vector registers; 4 with 16) by two vectors of output channels
-    output_channel_tile = 32
-    block_pixels = 8
+    #: the space's candidates
+    tile_candidates = (8, 16, 32, 64)
+    out_block_candidates = (2, 3, 4, 6, 8, 12, 16)
 
-    def apply(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
-        sch = s_tir.Schedule(func)
-        if not is_deform_conv(sch):
-            return None
-        conv = sch.get_sblock("conv")
-        vector = lanes(target, str(sch.get(conv).writes[0].source.dtype))
-        layer = Layer.of(sch)
-        registers = vector_registers(target)
-        if layer.samples_used_once:
-            vectors = self.inline_vectors if registers >= 32 else 1
-            apply_inline_structure(
-                sch,
-                [None, _dividing_tile(layer.pixels, self.inline_pixels)],
-                [None, largest_divisor(layer.channels_per_offset_group, vector * vectors)],
-            )
-            return sch
-        if layer.suits_output_channel_vectors(vector):
-            tile = _dividing_tile(layer.pixels, self.output_channel_tile)
-            apply_output_channel_structure(
-                sch,
-                [None, tile],
-                [None, largest_divisor(tile, self.block_pixels if registers >= 32 else 4)],
-                [None, largest_divisor(layer.out_per_group, vector * 2)],
-            )
-            return sch
+    def takes(self, layer: Layer, vector: int, tunable: bool) -> bool:
+        return True
+
+    def apply(self, func, target, tunable=False):
+        """As :meth:`ForwardCPU.apply`; with ``tunable``, a list of its design spaces."""
+        if not tunable:
+            return super().apply(func, target)
+        if not is_deform_conv(s_tir.Schedule(func)):
+            return []
+        spread = Layer.of(s_tir.Schedule(func)).channels_per_offset_group >= 2
+        spaces = []
+        for channels_last in (False, True) if spread else (False,):
+            sch = s_tir.Schedule(func)
+            self._schedule(sch, target, Choices(sch, True), channels_last=channels_last)
+            spaces.append(sch)
+        return spaces
+
+    def schedule(self, sch, layer, vector, registers, choose, channels_last=None) -> None:
+        if channels_last is None:
+            channels_last = layer.channels_per_offset_group >= CHANNELS_LAST_MIN
+        out_block = self.out_block if registers >= 32 else self.out_block_16_registers
         apply_structure(
             sch,
-            [None, _dividing_tile(layer.pixels, vector * self.vectors_per_tile)],
-            [None, largest_divisor(layer.out_channels, self._out_block(target))],
-            channels_last=layer.channels_per_offset_group >= CHANNELS_LAST_MIN,
+            [
+                None,
+                choose(
+                    self.tile_candidates,
+                    _dividing_tile(layer.pixels, vector * self.vectors_per_tile),
+                    lambda t: layer.pixels % t == 0 and t < layer.pixels,
+                ),
+            ],
+            [
+                None,
+                choose(
+                    self.out_block_candidates,
+                    largest_divisor(layer.out_channels, out_block),
+                    lambda b: layer.out_channels % b == 0,
+                ),
+            ],
+            channels_last=channels_last,
         )
-        return sch
 
-    def _out_block(self, target: Target) -> int:
-        return self.out_block if vector_registers(target) >= 32 else self.out_block_16_registers
+
+def _lanes(sch: s_tir.Schedule, target: Target) -> int:
+    """Vector lanes of the forward's accumulator dtype on ``target``."""
+    return lanes(target, str(sch.get(sch.get_sblock("conv")).writes[0].source.dtype))
 
 
 def _dividing_tile(pixels: int, wanted: int) -> int:
@@ -194,92 +334,6 @@ class Layer:
         return self.in_per_group == 1 and self.out_channels == groups
 
 
-class HandwrittenSpace:
-    """MetaSchedule design spaces with ``DefaultCPU``'s structures and their tile sizes sampled.
-
-    - The column-tile structure, with pixel-vectorised sampling and, where a vector of channels
-      per offset group is at least 2 wide, a second design space with channels-last sampling.
-      Sampled: the pixel tile (8 to ``PIXEL_QUANTUM`` pixels, dividing the padded pixel axis)
-      and the register block's output channels (2 to 16, dividing the output channels).
-    - The output-channel structure, where the layer has at least 2 channels per offset group, a
-      map of at least 128 pixels and a weight of at most 4 x ``PACKED_WEIGHT_MAX`` elements.
-      Sampled: the column tile (16 to 64 pixels), the register block's pixels (4 or 8) and its
-      vector of output channels (8 to 64, dividing the output channels per group).
-    - For depthwise layers, also the inline structure: sampled pixels (4 to 32) and channels
-      (4 to 32, dividing the channels per offset group) of its register block.
-
-    The choices are ``sample_categorical`` over values that keep every loop longer than one: a
-    unit loop disappears from the IR and changes how many loops a later ``get_loops`` returns,
-    which breaks MetaSchedule's replay of mutated traces. A structure is a separate design
-    space, not a sampled choice, because a trace replays its instructions whatever the
-    decisions. Use as ``ms.space_generator.ScheduleFn(HandwrittenSpace())``.
-    """
-
-    pixel_tiles = (8, 16, 32, 64)
-    out_blocks = (2, 3, 4, 6, 8, 12, 16)
-    inline_pixels = (4, 8, 16, 32)
-    inline_channels = (4, 8, 16, 32)
-    output_channel_tiles = (16, 32, 64)
-    block_pixels = (4, 8)
-    output_channel_vectors = (8, 16, 32, 64)
-
-    def __call__(self, sch: s_tir.Schedule) -> list[s_tir.Schedule]:
-        layer = Layer.of(sch)
-        spaces = []
-        layouts = [False, True] if layer.channels_per_offset_group >= 2 else [False]
-        for channels_last in layouts:
-            space = sch.copy()
-            tiles = [t for t in self.pixel_tiles if layer.pixels % t == 0 and t < layer.pixels]
-            blocks = [b for b in self.out_blocks if layer.out_channels % b == 0]
-            apply_structure(
-                space,
-                [None, _choose(space, tiles, layer.pixels)],
-                [None, _choose(space, blocks, largest_divisor(layer.out_channels, 16))],
-                channels_last=channels_last,
-            )
-            spaces.append(space)
-        out_vectors = self._output_channel_vectors(layer)
-        if out_vectors:
-            space = sch.copy()
-            apply_output_channel_structure(
-                space,
-                [None, _choose(space, list(self.output_channel_tiles), PIXEL_QUANTUM)],
-                [None, _choose(space, list(self.block_pixels), 4)],
-                [None, _choose(space, out_vectors, out_vectors[0])],
-            )
-            spaces.append(space)
-        if layer.samples_used_once:
-            space = sch.copy()
-            tiles = [t for t in self.inline_pixels if layer.pixels % t == 0 and t < layer.pixels]
-            per_group = layer.channels_per_offset_group
-            blocks = [
-                b for b in self.inline_channels if per_group % b == 0 and b < layer.out_channels
-            ]
-            apply_inline_structure(
-                space,
-                [None, _choose(space, tiles, layer.pixels)],
-                [None, _choose(space, blocks, largest_divisor(per_group, 16))],
-            )
-            spaces.append(space)
-        return spaces
-
-    def _output_channel_vectors(self, layer: Layer) -> list[int]:
-        """The sampled vectors of output channels of the output-channel design space; none (no
-        such space) where the layer has too few channels per group, a map shorter than two of
-        the largest tiles, or a weight far above what the default repacks."""
-        if (
-            layer.channels_per_offset_group < 2
-            or layer.pixels < 2 * max(self.output_channel_tiles)
-            or layer.out_channels * layer.in_per_group * layer.taps > 4 * PACKED_WEIGHT_MAX
-        ):
-            return []
-        return [
-            b
-            for b in self.output_channel_vectors
-            if layer.out_per_group % b == 0 and b < layer.out_channels
-        ]
-
-
 def apply_output_channel_structure(
     sch: s_tir.Schedule, tile_factors: list, pixel_factors: list, out_factors: list
 ) -> None:
@@ -334,12 +388,6 @@ def _pack_weight(sch: s_tir.Schedule, conv) -> None:
     sch.parallel(sch.fuse(c, k))
 
 
-def _choose(sch: s_tir.Schedule, candidates: list[int], fallback: int):
-    if len(candidates) <= 1:
-        return candidates[0] if candidates else fallback
-    return sch.sample_categorical(candidates, [1.0 / len(candidates)] * len(candidates))
-
-
 def apply_split_output_structure(
     sch: s_tir.Schedule,
     lanes: int,
@@ -358,7 +406,7 @@ def apply_split_output_structure(
     the PrimFunc may pad its pixels to a multiple of ``lanes`` only
     (``definition.forward(..., pixel_quantum=lanes)``). The factors must divide their axes.
 
-    Not used by the default or the design spaces yet: ``tools/small_maps.py`` times it against
+    Not used by the default or the design spaces yet: ``lab/small_maps.py`` times it against
     the default."""
     layer = Layer.of(sch)
     conv = sch.get_sblock("conv")

@@ -1,8 +1,9 @@
 """CPU schedules of the backward kernels (LLVM targets).
 
-Two rule objects, one per backward PrimFunc of :mod:`tvm_deform.ir.definition`:
+Two rules (:class:`tvm_deform.schedules.rule.Rule`), one per backward PrimFunc of
+:mod:`tvm_deform.ir.definition`:
 
-- ``DefaultCPUBackward`` for ``deform_conv2d_backward`` (every gradient but the input's). Each
+- ``BackwardCPU`` for ``deform_conv2d_backward`` (every gradient but the input's). Each
   stage runs as its own parallel loop nest:
 
   - the geometry and derivative coefficients: parallel over (n, group, tap), vectorised along the
@@ -15,7 +16,7 @@ Two rule objects, one per backward PrimFunc of :mod:`tvm_deform.ir.definition`:
     vector lane so that the long pixel reduction is vectorised, parallel over output channels.
     The partial sums are added in a fixed order, so the result does not depend on the threads.
 
-- ``DefaultCPUGradInput`` for ``deform_conv2d_grad_input``: the scatter, parallel over the
+- ``GradInputCPU`` for ``deform_conv2d_grad_input``: the scatter, parallel over the
   (n, c) image planes, which never share memory.
 
 No loop that reduces is ever split across threads, so every gradient is bit-identical from run to
@@ -30,6 +31,7 @@ from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm_deform.schedules.common import extents, largest_divisor
 from tvm_deform.schedules.common import lanes as vector_lanes
+from tvm_deform.schedules.rule import Choices, Rule
 
 
 def _pixel_tile(pixels: int, lanes: int, vectors: int = 2) -> int:
@@ -94,62 +96,51 @@ class BackwardChoices:
     weight_block: object
 
 
-class DefaultCPUBackward:
-    """The untuned CPU schedule of ``deform_conv2d_backward`` (see the module docstring)."""
+class BackwardCPU(Rule):
+    """The CPU schedule of ``deform_conv2d_backward`` (see the module docstring), default and
+    space. Sampled: the channel block (2 to 16), the two pixel tiles (1 to 4 vectors) and the
+    ``weight_sum`` block (1 to 8 output channels, at most 32 vector registers); only values
+    that divide their axis and leave every loop longer than one are offered (see
+    :class:`tvm_deform.schedules.rule.Choices`)."""
+
+    kernel = "backward"
+    target_kind = "llvm"
 
     #: input channels held in registers at once in the ``grad_columns`` GEMM
     channel_block = 8
     #: vector registers the ``weight_sum`` register block may use (taps x output channels)
     register_vectors = 24
+    #: the space's candidates
+    channel_block_candidates = (2, 4, 8, 16)
+    tile_vectors = (1, 2, 4)
+    weight_block_candidates = (1, 2, 3, 4, 6, 8)
 
-    def apply(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
+    def apply(
+        self, func: tirx.PrimFunc, target: Target, tunable: bool = False
+    ) -> s_tir.Schedule | None:
         sch = s_tir.Schedule(func)
         if not is_backward(sch):
             return None
+        choose = Choices(sch, tunable)
         lanes = backward_lanes(sch, target)
         channels, pixels, outputs, taps = backward_extents(sch)
-        choices = BackwardChoices(
-            channel_block=largest_divisor(channels, self.channel_block),
-            columns_tile=_pixel_tile(pixels, lanes, vectors=2),
-            sampling_tile=_pixel_tile(pixels, lanes, vectors=1),
-            weight_block=largest_divisor(outputs, max(1, self.register_vectors // taps)),
-        )
-        apply_backward_structure(sch, lanes, choices)
-        return sch
+        tiles = [lanes * v for v in self.tile_vectors]
 
+        def tile_fits(tile: int) -> bool:
+            return pixels % tile == 0 and tile < pixels
 
-class BackwardSpace:
-    """MetaSchedule design space with ``DefaultCPUBackward``'s structure and its tile sizes
-    sampled: the channel block (2 to 16), the two pixel tiles (1 to 4 vectors) and the
-    ``weight_sum`` block (1 to 8 output channels, at most 32 vector registers). Only values
-    that divide their axis and leave every loop longer than one are offered (see
-    :class:`tvm_deform.schedules.cpu.HandwrittenSpace`). Use as
-    ``ms.space_generator.ScheduleFn(BackwardSpace(target))``."""
-
-    def __init__(self, target: Target):
-        self.target = target
-
-    def __call__(self, sch: s_tir.Schedule) -> s_tir.Schedule:
-        lanes = backward_lanes(sch, self.target)
-        channels, pixels, outputs, taps = backward_extents(sch)
-        default = DefaultCPUBackward()
-
-        def choose(candidates: list[int], fallback: int):
-            if len(candidates) <= 1:
-                return candidates[0] if candidates else fallback
-            return sch.sample_categorical(candidates, [1.0 / len(candidates)] * len(candidates))
-
-        tiles = [lanes * v for v in (1, 2, 4) if pixels % (lanes * v) == 0 and lanes * v < pixels]
         choices = BackwardChoices(
             channel_block=choose(
-                [b for b in (2, 4, 8, 16) if channels % b == 0 and b < channels],
-                largest_divisor(channels, default.channel_block),
+                self.channel_block_candidates,
+                largest_divisor(channels, self.channel_block),
+                lambda b: channels % b == 0 and b < channels,
             ),
-            columns_tile=choose(tiles, _pixel_tile(pixels, lanes, vectors=2)),
-            sampling_tile=choose(tiles[:2], _pixel_tile(pixels, lanes, vectors=1)),
+            columns_tile=choose(tiles, _pixel_tile(pixels, lanes, vectors=2), tile_fits),
+            sampling_tile=choose(tiles[:2], _pixel_tile(pixels, lanes, vectors=1), tile_fits),
             weight_block=choose(
-                [b for b in (1, 2, 3, 4, 6, 8) if outputs % b == 0 and b * taps <= 32],
-                largest_divisor(outputs, max(1, default.register_vectors // taps)),
+                self.weight_block_candidates,
+                largest_divisor(outputs, max(1, self.register_vectors // taps)),
+                lambda b: outputs % b == 0 and b * taps <= 32,
             ),
         )
         apply_backward_structure(sch, lanes, choices)
@@ -253,10 +244,16 @@ def _weight_sum(sch: s_tir.Schedule, lanes: int, outputs_per_block) -> None:
     sch.reverse_compute_at(block, po_outer)
 
 
-class DefaultCPUGradInput:
-    """The untuned CPU schedule of ``deform_conv2d_grad_input``: parallel over image planes."""
+class GradInputCPU(Rule):
+    """The CPU schedule of ``deform_conv2d_grad_input``: parallel over image planes. It has
+    nothing to tune: its space is the default alone."""
 
-    def apply(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
+    kernel = "grad_input"
+    target_kind = "llvm"
+
+    def apply(
+        self, func: tirx.PrimFunc, target: Target, tunable: bool = False
+    ) -> s_tir.Schedule | None:
         sch = s_tir.Schedule(func)
         block = _block(sch, "grad_input")
         if block is None:  # not the grad_input PrimFunc

@@ -1,6 +1,6 @@
 """CUDA schedules of the deformable convolution (the forward kernel).
 
-``DefaultCUDA`` is the untuned schedule (the CPU structure, on a GPU):
+``OnePassCUDA`` is the default schedule (the CPU structure, on a GPU):
 
 - the sampling geometry (clamped rows and columns, corner coefficients) is computed by its own
   small kernels, one thread per (n, group, tap, corner, pixel), written once per offset group;
@@ -25,19 +25,37 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm_deform.schedules.common import GEOMETRY, is_deform_conv
+from tvm_deform.schedules.rule import Choices, Rule
+
+#: a thread block's shared memory on every NVIDIA GPU since Volta without opting in to more
+STATIC_SHARED_MEMORY = 48 * 1024
 
 
-class DefaultCUDA:
-    """The untuned CUDA schedule of the forward PrimFunc (see the module docstring)."""
+def shared_budget(target: Target, share: float) -> int:
+    """Bytes of shared memory a schedule stages per thread block: ``share`` of ``target``'s
+    ``max_shared_memory_per_block`` (48 KiB when the target does not say, as for the LLVM
+    target of an emulated run)."""
+    limit = target.attrs.get("max_shared_memory_per_block") if target.kind.name == "cuda" else None
+    return int((int(limit) if limit is not None else STATIC_SHARED_MEMORY) * share)
+
+
+class OnePassCUDA(Rule):
+    """The one-pass CUDA schedule of the forward PrimFunc (see the module docstring). Its
+    space samples the register block's rows along the output channels, among the tiles of
+    ``out_tiles`` with the default's threads whose staged columns fit in shared memory."""
+
+    kernel = "forward"
+    target_kind = "cuda"
 
     #: threads along the pixels, and the register block's pixels per thread
     threads_p, regs_p = 16, 4
     #: (threads, registers) along the output channels, the first whose staged columns fit
-    #: ``shared_budget``: a grouped layer stages a column slice per group in the tile, so a
+    #: the shared-memory budget: a grouped layer stages a column slice per group in the tile, so a
     #: depthwise layer needs a thinner tile than a dense one
     out_tiles = ((8, 4), (8, 2), (8, 1), (4, 1), (2, 1), (1, 1))
-    #: bytes of shared memory the staged columns and weights may take per thread block
-    shared_budget = 40 * 1024
+    #: the share of a thread block's shared memory (the target's
+    #: ``max_shared_memory_per_block``) the staged columns and weights may take: 40 KiB of 48
+    shared_share = 5 / 6
     #: (input channel, tap) pairs per shared-memory chunk of the reduction, at most: a chunk
     #: holds whole channels (every tap), so that its extent does not vary from chunk to chunk
     chunk = 32
@@ -47,15 +65,31 @@ class DefaultCUDA:
     def __init__(self, emulate: bool = False):
         self.emulate = emulate
 
-    def apply(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
+    def apply(
+        self, func: tirx.PrimFunc, target: Target, tunable: bool = False
+    ) -> s_tir.Schedule | None:
         sch = s_tir.Schedule(func)
         if not is_deform_conv(sch):
             return None
-        threads_o, regs_o = self.out_tile(sch)
+        budget = self.budget(target)
+        threads_o, regs_o = self.out_tile(sch, budget)
+        regs_o = self.choose_rows(sch, threads_o, regs_o, budget, Choices(sch, tunable))
         for name in GEOMETRY:
             self.elementwise(sch, sch.get_sblock(name))
         self._gemm(sch, threads_o, regs_o)
         return sch
+
+    def budget(self, target: Target) -> int:
+        """Bytes of shared memory this rule stages per thread block on ``target``."""
+        return shared_budget(target, self.shared_share)
+
+    def choose_rows(
+        self, sch: s_tir.Schedule, threads_o: int, regs_o: int, budget: int, choose: Choices
+    ):
+        """The register block's rows along the output channels: ``regs_o``, or in a space a
+        sampled choice among the tiles with ``threads_o`` threads within ``budget``."""
+        rows = [r for t, r in self.out_tiles if t == threads_o]
+        return choose(rows, regs_o, lambda r: self.shared_bytes(sch, threads_o, r) <= budget)
 
     def shared_bytes(self, sch: s_tir.Schedule, threads_o: int, regs_o: int) -> int:
         """Shared memory one thread block stages with this output tile (an upper bound);
@@ -75,11 +109,11 @@ class DefaultCUDA:
     def _channels_per_chunk(self, weight_in: int, taps: int) -> int:
         return max(1, min(weight_in, self.chunk // taps))
 
-    def out_tile(self, sch: s_tir.Schedule) -> tuple[int, int]:
+    def out_tile(self, sch: s_tir.Schedule, budget: int) -> tuple[int, int]:
         """(threads, registers) along the output channels for the unscheduled PrimFunc in
-        ``sch``: the first of ``out_tiles`` within ``shared_budget``."""
+        ``sch``: the first of ``out_tiles`` within ``budget`` bytes of shared memory."""
         for threads_o, regs_o in self.out_tiles:
-            if self.shared_bytes(sch, threads_o, regs_o) <= self.shared_budget:
+            if self.shared_bytes(sch, threads_o, regs_o) <= budget:
                 return threads_o, regs_o
         return self.out_tiles[-1]
 
@@ -156,16 +190,19 @@ class DefaultCUDA:
         sch.decompose_reduction(conv, r_outer)
 
 
-class SplitReductionCUDA(DefaultCUDA):
-    """``DefaultCUDA`` with the reduction over the input channels split into ``parts`` slices,
+class SplitReductionCUDA(OnePassCUDA):
+    """``OnePassCUDA`` with the reduction over the input channels split into ``parts`` slices,
     each computed by thread blocks of its own, for layers whose output tiles alone would leave
     most of a GPU idle (many channels on a small map: the 512-channel 10x10 layer makes 32
     tiles). The partial sums go to a scratch buffer; a last kernel adds them in a fixed order,
     one thread per output, and applies the bias/cast epilogue, so the result is the same on
-    every run. The sum's order differs from ``DefaultCUDA``'s, so the last bits can too.
+    every run. The sum's order differs from ``OnePassCUDA``'s, so the last bits can too.
 
     ``parts`` defaults to :meth:`choose_parts`. ``apply`` returns None where the split does not
-    apply (one part, or channels that ``parts`` does not divide)."""
+    apply (one part, or channels that ``parts`` does not divide). Its space samples the parts
+    (powers of two that divide the channels per group into slices of at least
+    ``min_part_channels``) and the rows as ``OnePassCUDA``'s does; it is offered wherever a
+    split into two parts is possible."""
 
     #: thread blocks a layer should have before its reduction is split no further: about four
     #: per SM on an H100 or H200 (132 SMs), so that each SM has warps to switch to while
@@ -188,7 +225,7 @@ class SplitReductionCUDA(DefaultCUDA):
         return next(c for c in range(most, 0, -1) if weight_in % c == 0)
 
     def tiles(self, sch: s_tir.Schedule, threads_o: int, regs_o: int) -> int:
-        """Thread blocks of ``DefaultCUDA``'s GEMM for the unscheduled PrimFunc in ``sch``."""
+        """Thread blocks of ``OnePassCUDA``'s GEMM for the unscheduled PrimFunc in ``sch``."""
         n, outputs, pixels, *_ = (
             int(v.dom.extent) for v in sch.get(sch.get_sblock("conv")).iter_vars
         )
@@ -210,26 +247,42 @@ class SplitReductionCUDA(DefaultCUDA):
             parts *= 2
         return parts
 
-    def split_parts(self, func: tirx.PrimFunc) -> int:
+    def split_parts(self, func: tirx.PrimFunc, target: Target) -> int:
         """The parts this rule splits ``func``'s reduction into; 1 where it does not apply."""
-        return self._plan(s_tir.Schedule(func))[0]
+        return self._plan(s_tir.Schedule(func), self.budget(target))[0]
 
-    def _plan(self, sch: s_tir.Schedule) -> tuple[int, int, int]:
+    def _plan(self, sch: s_tir.Schedule, budget: int) -> tuple[int, int, int]:
         """(parts, threads, registers along the output channels) for the unscheduled PrimFunc
         in ``sch``; 1 part where the rule does not apply."""
         if not is_deform_conv(sch):
             return 1, 0, 0
-        threads_o, regs_o = self.out_tile(sch)
+        threads_o, regs_o = self.out_tile(sch, budget)
         parts = self.parts or self.choose_parts(sch, threads_o, regs_o)
         _, _, _, rc, _ = sch.get_loops(sch.get_sblock("conv"))
         if parts <= 1 or int(sch.get(rc).extent) % parts:
             parts = 1
         return parts, threads_o, regs_o
 
-    def apply(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
+    def apply(
+        self, func: tirx.PrimFunc, target: Target, tunable: bool = False
+    ) -> s_tir.Schedule | None:
         sch = s_tir.Schedule(func)
-        parts, threads_o, regs_o = self._plan(sch)
-        if parts == 1:
+        budget = self.budget(target)
+        parts, threads_o, regs_o = self._plan(sch, budget)
+        if tunable and is_deform_conv(sch):
+            weight_in = int(sch.get(sch.get_loops(sch.get_sblock("conv"))[3]).extent)
+            candidates = [
+                p
+                for p in (2**i for i in range(1, self.max_parts.bit_length()))
+                if p <= self.max_parts
+                and weight_in % p == 0
+                and weight_in // p >= self.min_part_channels
+            ]
+            if candidates:
+                choose = Choices(sch, True)
+                parts = choose(candidates, parts, lambda p: p > 1)
+                regs_o = self.choose_rows(sch, threads_o, regs_o, budget, choose)
+        if isinstance(parts, int) and parts == 1:
             return None
         _, _, _, rc, _ = sch.get_loops(sch.get_sblock("conv"))
         for name in GEOMETRY:

@@ -1,6 +1,6 @@
 """CUDA schedules of the backward kernels (deterministic: no atomics, no split reductions).
 
-- ``DefaultCUDABackward`` for ``deform_conv2d_backward`` (every gradient but the input's): each
+- ``BackwardCUDA`` for ``deform_conv2d_backward`` (every gradient but the input's): each
   stage of the PrimFunc (geometry, the column gradient, the derivative coefficients and the
   sampling gradients, the recomputed columns, the weight and bias gradients) runs as a kernel
   of its own with one thread per output element; every reduction (over the output channels for
@@ -8,7 +8,7 @@
   the weight's) runs inside its thread in a fixed order. Stages that are not arguments of the
   PrimFunc live in scratch memory, which comes from torch's caching allocator (see
   :mod:`tvm_deform.runtime.workspace`).
-- ``DefaultCUDAGradInput`` for ``deform_conv2d_grad_input``, the scatter: one thread per (n, c)
+- ``GradInputCUDA`` for ``deform_conv2d_grad_input``, the scatter: one thread per (n, c)
   image plane, accumulating into a plane of its own in local memory (the definition's
   ``plane_scope="local"``) in the definition's order, then writing it out. Planes never share
   memory, so no atomics are needed and the gradient is the same bits on every run.
@@ -24,10 +24,15 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 from tvm.target import Target
+from tvm_deform.schedules.rule import Rule
 
 
-class DefaultCUDABackward:
-    """The untuned CUDA schedule of the gradients kernel (see the module docstring)."""
+class BackwardCUDA(Rule):
+    """The CUDA schedule of the gradients kernel (see the module docstring). Its space is the
+    default alone: one thread per element has nothing to tune."""
+
+    kernel = "backward"
+    target_kind = "cuda"
 
     #: threads per block of every stage
     threads = 256
@@ -35,7 +40,9 @@ class DefaultCUDABackward:
     def __init__(self, emulate: bool = False):
         self.emulate = emulate
 
-    def apply(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
+    def apply(
+        self, func: tirx.PrimFunc, target: Target, tunable: bool = False
+    ) -> s_tir.Schedule | None:
         sch = s_tir.Schedule(func)
         blocks = sch.get_child_blocks(sch.get_sblock("root"))
         names = {sch.get(block).name_hint for block in blocks}
@@ -46,8 +53,12 @@ class DefaultCUDABackward:
         return sch
 
 
-class DefaultCUDAGradInput:
-    """The untuned CUDA schedule of the input's gradient: one thread per image plane."""
+class GradInputCUDA(Rule):
+    """The CUDA schedule of the input's gradient: one thread per image plane. Its space is the
+    default alone."""
+
+    kernel = "grad_input"
+    target_kind = "cuda"
 
     #: threads per block (planes per block)
     threads = 32
@@ -55,7 +66,9 @@ class DefaultCUDAGradInput:
     def __init__(self, emulate: bool = False):
         self.emulate = emulate
 
-    def apply(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
+    def apply(
+        self, func: tirx.PrimFunc, target: Target, tunable: bool = False
+    ) -> s_tir.Schedule | None:
         sch = s_tir.Schedule(func)
         try:
             block = sch.get_sblock("grad_input")

@@ -40,7 +40,8 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm_deform.schedules.common import GEOMETRY, is_deform_conv, largest_divisor
-from tvm_deform.schedules.cuda import DefaultCUDA
+from tvm_deform.schedules.cuda import OnePassCUDA
+from tvm_deform.schedules.rule import Rule
 
 from tvm_deform.ir.definition import PIXEL_QUANTUM
 
@@ -50,10 +51,15 @@ FRAGMENT = 16
 MIN_ARCH = {"float16": 70, "bfloat16": 80}
 
 
-class TensorCoreCUDA:
+class TensorCoreCUDA(Rule):
     """The tensor-core CUDA schedule of a half-precision forward PrimFunc (module docstring).
 
-    ``apply(func, target)`` returns None where the rule does not apply."""
+    ``apply(func, target)`` returns None where the rule does not apply. Not tried for the
+    default schedule; its space is its own tiling, unsampled."""
+
+    kernel = "forward"
+    target_kind = "cuda"
+    default = False
 
     #: warps along each output axis of a thread block, at most
     warps = 2
@@ -71,13 +77,15 @@ class TensorCoreCUDA:
         """Whether :meth:`apply` schedules ``func`` (without scheduling it)."""
         return self._gemm(s_tir.Schedule(func), target) is not None
 
-    def apply(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
+    def apply(
+        self, func: tirx.PrimFunc, target: Target, tunable: bool = False
+    ) -> s_tir.Schedule | None:
         sch = s_tir.Schedule(func)
         gemm = self._gemm(sch, target)
         if gemm is None:
             return None
         # The geometry kernels and the epilogue are elementwise, as in the default schedule.
-        elementwise = DefaultCUDA(self.emulate).elementwise
+        elementwise = OnePassCUDA(self.emulate).elementwise
         for name in GEOMETRY:
             elementwise(sch, sch.get_sblock(name))
         self._schedule_gemm(sch, gemm)

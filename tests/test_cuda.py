@@ -18,7 +18,7 @@ from conftest import assert_close
 from inputs import CONFIGS, make_inputs, shape_of
 from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
-from tvm_deform.schedules.cuda import DefaultCUDA, SplitReductionCUDA
+from tvm_deform.schedules.cuda import OnePassCUDA, SplitReductionCUDA
 from tvm_deform.schedules.cuda_tensor_core import TensorCoreCUDA
 
 from tvm_deform import deform_conv2d, schedules
@@ -69,18 +69,21 @@ def test_suite_builds_to_machine_code(name, arch):
 
 
 def test_shared_memory_stays_within_the_budget():
+    target = targets.cuda_target("sm_90")
     for name, shape in SUITE.items():
         func = definition.forward(shape)
-        assert DefaultCUDA().apply(func, targets.cuda_target("sm_90")) is not None
-        for rule in (DefaultCUDA(), SplitReductionCUDA()):
+        assert OnePassCUDA().apply(func, target) is not None
+        for rule in (OnePassCUDA(), SplitReductionCUDA()):
+            budget = rule.budget(target)
+            assert budget == 40 * 1024  # 5/6 of the 48 KiB the target declares
             sch = s_tir.Schedule(func)
-            assert rule.shared_bytes(sch, *rule.out_tile(sch)) <= rule.shared_budget, name
+            assert rule.shared_bytes(sch, *rule.out_tile(sch, budget)) <= budget, name
 
 
 def emulated_kernel(shape: ConvShape, rule=None):
-    """A CUDA schedule's loop structure (``rule``, default ``DefaultCUDA``) compiled for this
+    """A CUDA schedule's loop structure (``rule``, default ``OnePassCUDA``) compiled for this
     CPU (no thread bindings, shared buffers in global memory)."""
-    rule = rule or DefaultCUDA(emulate=True)
+    rule = rule or OnePassCUDA(emulate=True)
     sch = rule.apply(definition.forward(shape), targets.host_target())
     return tvm.compile(sch.mod, target=targets.host_target())["deform_conv2d"]
 
@@ -92,8 +95,8 @@ def test_small_maps_with_many_channels_get_their_reduction_split():
     parts = {}
     for name in ("r50dcn320_c5_512x10x10", "r50_c5_512x25x42", "r50_c3_128x100x168", "seed"):
         sch = s_tir.Schedule(definition.forward(SUITE[name]))
-        tiles = rule.tiles(sch, *rule.out_tile(sch))
-        parts[name] = rule.choose_parts(sch, *rule.out_tile(sch))
+        tiles = rule.tiles(sch, *rule.out_tile(sch, rule.budget(target)))
+        parts[name] = rule.choose_parts(sch, *rule.out_tile(sch, rule.budget(target)))
         assert tiles * parts[name] >= rule.enough_blocks or parts[name] in (1, rule.max_parts)
     assert parts == {
         "r50dcn320_c5_512x10x10": 16,  # 16 x 2 tiles
@@ -121,7 +124,7 @@ def test_a_kernel_of_a_given_schedule_runs_as_the_op_would(tmp_path, monkeypatch
         shape,
         target,
         "one-pass-emulated",
-        lambda: DefaultCUDA(emulate=True).apply(definition.forward(shape), target),
+        lambda: OnePassCUDA(emulate=True).apply(definition.forward(shape), target),
     )
     assert len(list(tmp_path.glob("deform_conv2d-*.so"))) == 1
     inputs = random_inputs(shape)
@@ -405,15 +408,15 @@ def test_cuda_gradients_match_torchvision_and_repeat_exactly(cfg):
 def test_emulated_cuda_backward_matches_torchvision(cfg):
     """The CUDA backward schedules' structure, without the thread bindings, run on the CPU:
     every gradient against torchvision's."""
-    from tvm_deform.schedules.cuda_backward import DefaultCUDABackward, DefaultCUDAGradInput
+    from tvm_deform.schedules.cuda_backward import BackwardCUDA, GradInputCUDA
 
     from tvm_deform.binding.ops import run_backward
     from tvm_deform.runtime.kernels import BackwardKernels
 
     shape = shape_of(cfg)
     target = targets.host_target()
-    gradients = DefaultCUDABackward(emulate=True).apply(definition.backward(shape), target)
-    scatter = DefaultCUDAGradInput(emulate=True).apply(definition.grad_input(shape), target)
+    gradients = BackwardCUDA(emulate=True).apply(definition.backward(shape), target)
+    scatter = GradInputCUDA(emulate=True).apply(definition.grad_input(shape), target)
     built = tvm.compile(
         tvm.IRModule(
             {
@@ -590,7 +593,7 @@ def test_gpu_session_keeps_timing_when_an_implementation_fails(monkeypatch):
 
 def test_gpu_session_times_the_schedules_dispatch_does_not_pick(monkeypatch):
     # Beside our kernels, the session times the public op as users call it; where the default
-    # splits the reduction, DefaultCUDA's one pass; where tensor cores take a layer, the
+    # splits the reduction, OnePassCUDA's one pass; where tensor cores take a layer, the
     # tensor-core schedule (the last two stood for here by the CPU's default kernel). Each has
     # a column of its own, which the speed-up over torchvision leaves out.
     from tvm_deform.runtime import kernels

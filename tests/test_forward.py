@@ -8,7 +8,7 @@ import torchvision.ops
 from conftest import assert_close
 from inputs import CONFIGS, make_inputs, shape_of
 from reference import deform_conv2d_reference
-from tvm_deform.schedules.cpu import DefaultCPU
+from tvm_deform.schedules import apply_default
 
 import tvm_deform
 from tvm_deform import DeformConv2d, deform_conv2d
@@ -379,9 +379,9 @@ def test_channels_last_input_is_sampled_in_place(cfg, nchw_copies, monkeypatch):
     # NHWC; the NHWC kernel reads it where it is.
     shape = shape_of(cfg)
     scripts = {
-        layout: DefaultCPU()
-        .apply(definition.forward(shape, layout), targets.host_target())
-        .mod.script()
+        layout: apply_default(
+            "forward", definition.forward(shape, layout), targets.host_target()
+        ).mod.script()
         for layout in ("NCHW", "NHWC")
     }
     assert ("data_global" in scripts["NCHW"]) == nchw_copies

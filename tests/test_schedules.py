@@ -1,6 +1,6 @@
 """The CPU schedule structures, each checked against torchvision on random layers: the
 column tile with pixel-vectorised or channels-last sampling, the output-channel structure, the
-inline (depthwise) structure, every design space of ``HandwrittenSpace``, and which structure
+inline (depthwise) structure, every rule's design space, and which structure
 the default picks."""
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ import tvm
 from conftest import assert_close
 from inputs import CONFIGS, DEPTHWISE_CONFIGS, WIDE_CONFIGS, make_inputs, shape_of
 from tvm import s_tir
+from tvm_deform.schedules import apply_default, design_spaces
 from tvm_deform.schedules.cpu import (
     TRANSPOSE_BLOCK,
-    DefaultCPU,
-    HandwrittenSpace,
     Layer,
     apply_inline_structure,
     apply_output_channel_structure,
@@ -114,8 +113,8 @@ OUTPUT_CHANNEL_LAYER = (
 
 
 def test_default_output_channel_structure_matches_torchvision():
-    sch = DefaultCPU().apply(
-        definition.forward(shape_of(OUTPUT_CHANNEL_LAYER)), targets.host_target()
+    sch = apply_default(
+        "forward", definition.forward(shape_of(OUTPUT_CHANNEL_LAYER)), targets.host_target()
     )
     assert "weight_global" in blocks(sch)
     check(sch, OUTPUT_CHANNEL_LAYER)
@@ -186,7 +185,7 @@ def test_inline_channel_block_may_straddle_offset_groups():
     "cfg", [WIDE_CONFIGS[0], WIDE_CONFIGS[1], DEPTHWISE_CONFIGS[3], CONFIGS[5]], ids=lambda c: None
 )
 def test_every_handwritten_design_space_matches_torchvision(cfg):
-    spaces = HandwrittenSpace()(schedule(cfg))
+    spaces = design_spaces("forward", schedule(cfg).mod["main"], targets.host_target())
     layer = Layer.of(schedule(cfg))
     assert len(spaces) == 1 + (layer.channels_per_offset_group >= 2) + layer.samples_used_once
     for space in spaces:
@@ -194,7 +193,9 @@ def test_every_handwritten_design_space_matches_torchvision(cfg):
 
 
 def test_output_channel_design_space_matches_torchvision():
-    spaces = HandwrittenSpace()(schedule(OUTPUT_CHANNEL_LAYER))
+    spaces = design_spaces(
+        "forward", schedule(OUTPUT_CHANNEL_LAYER).mod["main"], targets.host_target()
+    )
     with_packed_weight = [space for space in spaces if "weight_global" in blocks(space)]
     assert len(spaces) == 3 and len(with_packed_weight) == 1
     check(with_packed_weight[0], OUTPUT_CHANNEL_LAYER)
@@ -215,19 +216,20 @@ def blocks(sch: s_tir.Schedule) -> set[str]:
 
 def test_default_picks_the_structure_from_the_layer():
     target = targets.host_target()
-    few = DefaultCPU().apply(definition.forward(ConvShape(1, 3, 8, 8, 4, 3, 3)), target)
-    many = DefaultCPU().apply(definition.forward(ConvShape(1, 16, 8, 8, 4, 3, 3)), target)
+    few = apply_default("forward", definition.forward(ConvShape(1, 3, 8, 8, 4, 3, 3)), target)
+    many = apply_default("forward", definition.forward(ConvShape(1, 16, 8, 8, 4, 3, 3)), target)
     depthwise = ConvShape(1, 16, 8, 8, 16, 3, 3, weight_groups=16)
     multiplier = ConvShape(1, 16, 8, 8, 32, 3, 3, weight_groups=16)
     assert "data_global" not in blocks(few) and "columns" in blocks(few)
     assert {"data_global", "columns"} <= blocks(many)
-    inline_blocks = blocks(DefaultCPU().apply(definition.forward(depthwise), target))
+    inline_blocks = blocks(apply_default("forward", definition.forward(depthwise), target))
     assert "data_global" in inline_blocks and "columns" not in inline_blocks
-    assert "columns" in blocks(DefaultCPU().apply(definition.forward(multiplier), target))
+    assert "columns" in blocks(apply_default("forward", definition.forward(multiplier), target))
     # The output-channel structure where the weight is small and the map large; not for a
     # 512-channel weight, a small map, or output channels that do not fill a vector per group.
     packs = {
-        shape: "weight_global" in blocks(DefaultCPU().apply(definition.forward(shape), target))
+        shape: "weight_global"
+        in blocks(apply_default("forward", definition.forward(shape), target))
         for shape in (
             ConvShape(1, 64, 32, 32, 64, 3, 3, pad_h=1, pad_w=1),
             ConvShape(1, 512, 32, 32, 512, 3, 3, pad_h=1, pad_w=1),

@@ -62,11 +62,24 @@ def measure_enabled() -> bool:
     return _flag("TVM_DEFORM_MEASURE", True)
 
 
-def user_logs_dir() -> Path | None:
-    """``TVM_DEFORM_LOGS``: a tuning-log directory (laid out like ``tuning_logs/``) searched
-    before the shipped logs."""
-    value = os.environ.get("TVM_DEFORM_LOGS")
-    return Path(value).expanduser() if value else None
+def user_logs_dir() -> Path:
+    """``TVM_DEFORM_LOGS``: the user's tuning-log directory (laid out like ``tuning_logs/``),
+    searched before the shipped logs; ``tvm-deform tune`` writes there.
+
+    Default: ``$XDG_DATA_HOME/tvm_deform/tuning_logs`` (``~/.local/share/tvm_deform/...``), so
+    that tuning never writes into the installed package.
+    """
+    explicit = os.environ.get("TVM_DEFORM_LOGS")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "tvm_deform" / "tuning_logs"
+
+
+def user_logs_explicit() -> bool:
+    """Whether ``TVM_DEFORM_LOGS`` names the user's log directory (a missing one is then worth a
+    warning; the default directory is simply absent until the first tuning run)."""
+    return bool(os.environ.get("TVM_DEFORM_LOGS"))
 
 
 #: name -> one-line description, printed by ``tvm-deform info``
@@ -75,8 +88,14 @@ VARIABLES = {
     "TVM_DEFORM_CACHE_DIR": "directory of the on-disk kernel cache",
     "TVM_DEFORM_LAUNCHER": "0 runs CPU kernels on TVM's thread pool, not torch's threads",
     "TVM_DEFORM_MEASURE": "0: no timing of other machines' records here (default schedule)",
-    "TVM_DEFORM_LOGS": "tuning-log directory searched before the shipped logs",
+    "TVM_DEFORM_LOGS": "tuning-log directory: `tune` writes there, lookups search it first",
     "TVM_DEFORM_TUNED": "0 ignores all tuning logs (default schedules only)",
     "TVM_NUM_THREADS": "size of TVM's CPU thread pool (set to all cores by tvm_deform)",
     "TVM_BIND_THREADS": "1 lets TVM pin threads to cores (tvm_deform sets 0)",
 }
+
+
+def variables_markdown() -> str:
+    """The table of :data:`VARIABLES` as Markdown (``docs/guide/environment.md`` holds it)."""
+    rows = [f"| `{name}` | {text} |" for name, text in VARIABLES.items()]
+    return "\n".join(["| variable | what it does |", "|---|---|", *rows]) + "\n"

@@ -63,8 +63,8 @@ def shipped_logs_dir() -> Path:
 
 
 def log_roots() -> list[Path]:
-    roots = [env.user_logs_dir(), shipped_logs_dir()]
-    return [root for root in roots if root is not None]
+    """Where tuning logs are looked up, first match first: the user's, then the shipped ones."""
+    return [env.user_logs_dir(), shipped_logs_dir()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,7 +258,7 @@ def find_records(
     mod = workload_module(shape, op)
     for root in log_roots() if roots is None else roots:
         if not root.is_dir():
-            if root != shipped_logs_dir():
+            if root != shipped_logs_dir() and env.user_logs_explicit():
                 warnings.warn(
                     f"tuning log directory {root} does not exist", RuntimeWarning, stacklevel=3
                 )

@@ -316,7 +316,7 @@ def run_tune(args: argparse.Namespace) -> int:
         target = targets.host_target()
     # With a fleet and no --target, tune() asks a device for its target.
     machine = targets.hardware_key(target) if target is not None else f"the devices of {fleet}"
-    logs_dir = None if args.no_write_logs else (args.logs_dir or _repository_logs())
+    logs_dir = None if args.no_write_logs else (args.logs_dir or str(env.user_logs_dir()))
     print(
         f"tuning {len(workloads)} workload(s) x {len(ops)} op(s) x {len(spaces)} space(s), "
         f"{args.trials} trials each, for {machine}; work directory {args.work_dir}"
@@ -435,12 +435,6 @@ def _chosen_workloads(args: argparse.Namespace) -> dict[str, ConvShape]:
     return workloads
 
 
-def _repository_logs() -> str:
-    from tvm_deform.runtime.records import shipped_logs_dir
-
-    return str(shipped_logs_dir())
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tvm-deform", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -492,7 +486,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     tune.add_argument("--target", help="a target as JSON (default: this machine)")
     tune.add_argument("--work-dir", default="work/tune", help="full tuning databases (resumed)")
-    tune.add_argument("--logs-dir", help="where pruned logs go (default: the shipped logs)")
+    tune.add_argument(
+        "--logs-dir",
+        help="where pruned logs go (default: TVM_DEFORM_LOGS, else the per-user directory "
+        "that lookups also read; the repository's tuning_logs/ to update the shipped logs)",
+    )
     tune.add_argument("--no-write-logs", action="store_true", help="keep results in work dir")
     tune.add_argument("--rpc", metavar="HOST:PORT", help="measure on an RPC tracker's servers")
     tune.add_argument("--device-key", help="the servers' key at the tracker (with --rpc)")

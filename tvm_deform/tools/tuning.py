@@ -37,6 +37,7 @@ from pathlib import Path
 
 import tvm
 import tvm_ffi
+from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
 from tvm.target import Target
 
@@ -58,9 +59,8 @@ from tvm_deform.runtime.records import (
     record_ms,
     workload_module,
 )
+from tvm_deform.schedules import design_spaces
 from tvm_deform.schedules.common import vector_bytes
-from tvm_deform.schedules.cpu import HandwrittenSpace
-from tvm_deform.schedules.cpu_backward import BackwardSpace
 from tvm_deform.tools.fleet import Fleet
 
 #: design spaces: name -> how MetaSchedule generates it
@@ -77,6 +77,19 @@ def spaces_for(target: Target, op: str) -> tuple[str, ...]:
     return SPACES if op == "forward" else ("handwritten",)
 
 
+class RuleSpaces:
+    """The "handwritten" design spaces of ``op`` on ``target``: those of every schedule rule
+    that takes the workload (:func:`tvm_deform.schedules.design_spaces`). Use as
+    ``ms.space_generator.ScheduleFn(RuleSpaces(op, target))``."""
+
+    def __init__(self, op: str, target: Target):
+        self.op = op
+        self.target = target
+
+    def __call__(self, sch: s_tir.Schedule) -> list[s_tir.Schedule]:
+        return design_spaces(self.op, sch.mod["main"], self.target)
+
+
 #: records kept per workload and space when the logs are pruned
 KEEP_PER_WORKLOAD = 3
 
@@ -89,10 +102,8 @@ def database(directory: Path) -> ms.database.JSONDatabase:
 def _space_generator(space: str, op: str = "forward", target: Target | None = None):
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
-    if space == "handwritten" and op == "backward":
-        return ms.space_generator.ScheduleFn(BackwardSpace(target or targets.host_target()))
     if space == "handwritten":
-        return ms.space_generator.ScheduleFn(HandwrittenSpace())
+        return ms.space_generator.ScheduleFn(RuleSpaces(op, target or targets.host_target()))
     if space == "generic":
         return "post-order-apply"
     raise ValueError(f"unknown design space {space!r}; expected one of {SPACES}")

@@ -3,13 +3,14 @@
 # root on the GPU machine: join the wheel parts (the first one stashed by the first call, in
 # .gpu-stash/ and in /tmp/gpu-stash/, the second carried now in .gpu/), install TVM and this
 # package into /tmp/site without network, then build, check, time and tune with
-# python -m tvm_deform.tools.gpu_session.
-#   bash tools/gpu_session.sh OUT_DIR [gpu_session options, e.g. --trials 32]
+# python lab/gpu_session.py.
+#   bash lab/gpu_session.sh OUT_DIR [gpu_session options, e.g. --trials 32]
 set -euo pipefail
-out=${1:?usage: tools/gpu_session.sh OUT_DIR [options]}
+out=${1:?usage: lab/gpu_session.sh OUT_DIR [options]}
 shift
 mkdir -p /tmp/wheels "$out"
 out=$(cd "$out" && pwd)
+repo=$(pwd)
 find .gpu .gpu-stash /tmp/gpu-stash -name 'wheels.tar.part-*' 2>/dev/null \
     | awk -F/ '{print $NF, $0}' | sort -u -k1,1 | cut -d' ' -f2 | xargs cat \
     | tar -x -C /tmp/wheels
@@ -34,4 +35,4 @@ export PYTHONUNBUFFERED=1 TVM_DEFORM_CACHE_DIR=/tmp/tvm_deform_cache TVM_CUDA_CO
 # Run from outside the repository: from its root, Python would import the source tree, which
 # lacks the installed layout (schedules/ is installed as tvm_deform.schedules).
 cd /tmp
-python3 -m tvm_deform.tools.gpu_session --out "$out" "$@" 2>&1 | tee "$out/log.txt"
+python3 "$repo/lab/gpu_session.py" --out "$out" "$@" 2>&1 | tee "$out/log.txt"

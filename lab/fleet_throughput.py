@@ -8,7 +8,7 @@ pool, and the candidates are built for one core. Two numbers per fleet:
 - a whole tuning run (``tvm-deform tune --rpc``'s path): ``TRIALS`` trials of a fresh search,
   building here included, timed end to end.
 
-    .venv/bin/python tools/fleet_throughput.py docs/fleet-throughput-<cpu>.md
+    .venv/bin/python lab/fleet_throughput.py docs/results/<cpu>/fleet-throughput.md
 
 (the table goes to that file: MetaSchedule's tuning children print their own progress on
 stdout)
@@ -108,7 +108,7 @@ def main(out: Path) -> int:
     lines: list[str] = []
     say = lines.append
     say(f"Fleet throughput on loopback, {cpu}, workload {WORKLOAD}; each server a one-core")
-    say("device (pinned, one TVM thread). `python tools/fleet_throughput.py`.")
+    say("device (pinned, one TVM thread). `python lab/fleet_throughput.py`.")
     say("")
     say(
         "| servers | runner alone: candidates | s | per minute | whole tuning run: trials "

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Check, before any device call, that what each call would carry fits: the working tree that
 # every call carries (tracked files and untracked ones git does not ignore) plus one of the
-# given parts must stay under 60 MiB (the limit is 64 MiB), and no part may exceed 56 MiB.
-#   bash tools/check_carry_sizes.sh [PART...]
+# given parts must stay under CALL_MIB (default 60, under a 64 MiB transfer limit), and no part
+# may exceed PART_MIB (default 56).
+#   [CALL_MIB=60] [PART_MIB=56] bash lab/check_carry_sizes.sh [PART...]
 set -euo pipefail
 mib=$((1024 * 1024))
+call_mib=${CALL_MIB:-60}
+part_mib=${PART_MIB:-56}
 # (files deleted but still in git's index are skipped)
 tree=$( (git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null || true) \
     | tail -1 | cut -f1)
@@ -14,8 +17,12 @@ for part in "$@"; do
     size=$(stat -c %s "$part")
     total=$((tree + size))
     echo "$part: $((size / 1024)) KiB, with the tree $((total / 1024)) KiB"
-    if ((size > 56 * mib)); then echo "  too large: a part may carry at most 56 MiB"; status=1; fi
-    if ((total > 60 * mib)); then echo "  too large: a call may carry at most 60 MiB"; status=1; fi
+    if ((size > part_mib * mib)); then
+        echo "  too large: a part may carry at most $part_mib MiB"; status=1
+    fi
+    if ((total > call_mib * mib)); then
+        echo "  too large: a call may carry at most $call_mib MiB"; status=1
+    fi
 done
 if ((tree > 20 * mib)); then echo "the working tree alone is over 20 MiB"; status=1; fi
 exit $status

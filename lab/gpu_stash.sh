@@ -3,7 +3,7 @@
 # root on the GPU machine: keep the wheel part this call carried in .gpu/ for the second call,
 # in .gpu-stash/ (an ignored folder of the checkout there) and in /tmp/gpu-stash/, then print
 # what the machine has that the second call relies on.
-#   bash tools/gpu_stash.sh
+#   bash lab/gpu_stash.sh
 set -uo pipefail
 mkdir -p .gpu-stash /tmp/gpu-stash
 for part in .gpu/wheels.tar.part-*; do

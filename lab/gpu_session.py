@@ -1,9 +1,9 @@
 """One GPU session in one call (tools layer): check, build, tune, time, write results.
 
-Run on a machine with an NVIDIA GPU, offline, by ``tools/gpu_session.sh`` (which installs TVM
+Run on a machine with an NVIDIA GPU, offline, by ``lab/gpu_session.sh`` (which installs TVM
 from wheels brought along), or directly where TVM is installed::
 
-    python -m tvm_deform.tools.gpu_session --out OUT [--trials 32] [--tune-seconds 240]
+    python lab/gpu_session.py --out OUT [--trials 32] [--tune-seconds 240]
 
 Steps, each recorded in ``OUT/gpu_results.json`` as soon as it ends, pass or fail, so that a
 call cut short keeps what was done; the exit code is non-zero if any step failed:
@@ -23,14 +23,14 @@ call cut short keeps what was done; the exit code is non-zero if any step failed
    to be checked into ``tuning_logs/``), and the timing then runs the tuned kernels too;
 6. time: per workload and dtype, the median of CUDA-event timings of torchvision (where it has
    a kernel: not bfloat16), our default and tuned kernels (through their handles), the public
-   ``deform_conv2d`` as users call it, ``DefaultCUDA`` alone where the
+   ``deform_conv2d`` as users call it, ``OnePassCUDA`` alone where the
    default splits the reduction (``SplitReductionCUDA``), the tensor-core schedule of float16
    and bfloat16 layers it takes, and cuDNN's dense ``conv2d``; each
    row is written as it is timed, and ``OUT/gpu_results.md`` holds the table.
 
 A step that would start after ``--deadline`` seconds is skipped (recorded as such), so that the
-call ends before the device's 600 s limit. The same functions run on the CPU (``--device cpu``),
-which is how the tests rehearse them on machines without a GPU.
+call ends before the machine's limit on one command (``--call-limit``). The same functions run
+on the CPU (``--device cpu``), which is how the tests rehearse them on machines without a GPU.
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ from tvm_deform.tools.inputs import TOLERANCE, conv_kwargs, random_inputs, rando
 from tvm_deform.tools.suite import load_suite
 
 #: the labels of the rows that time a schedule dispatch does not pick, to tell whether it
-#: should: ``DefaultCUDA`` alone where the default splits the reduction, and the tensor-core
+#: should: ``OnePassCUDA`` alone where the default splits the reduction, and the tensor-core
 #: schedule of half-precision layers (not counted as ours in the speed-ups)
-ONE_PASS = "one pass (DefaultCUDA)"
+ONE_PASS = "one pass (OnePassCUDA)"
 TENSOR_CORES = "tensor cores (TensorCoreCUDA)"
 #: our kernels that dispatch may run, timed through their handles: the speed-ups take the best
 KERNELS = ("tvm_deform default", "tvm_deform tuned")
@@ -193,7 +193,7 @@ def time_layers(
 ) -> list[dict]:
     """Per layer and dtype: torchvision, our kernel (default schedule, through its handle), the
     public op and dense conv2d, timed side by side on the same inputs (and, where the default
-    splits the reduction over thread blocks, ``DefaultCUDA``'s one pass; for half-precision
+    splits the reduction over thread blocks, ``OnePassCUDA``'s one pass; for half-precision
     layers that tensor cores take, the tensor-core schedule), or with ``tuned`` our tuned
     kernel alone (where the logs have one); ``on_row`` gets each row as soon as it is timed.
     Errors are checked against torchvision in float32 on the upcast inputs (its CUDA kernel has
@@ -270,12 +270,12 @@ def _our_kernel(shape: ConvShape, target, tuned: bool, args: dict) -> Callable[[
 
 
 def _one_pass_kernel(shape: ConvShape, target) -> kernels.Kernel:
-    """The layer under ``DefaultCUDA`` alone, the reduction in one pass, where the default
+    """The layer under ``OnePassCUDA`` alone, the reduction in one pass, where the default
     splits it: the timing that tells whether the split pays."""
-    from tvm_deform.schedules.cuda import DefaultCUDA
+    from tvm_deform.schedules.cuda import OnePassCUDA
 
     return kernels.load_scheduled(
-        shape, target, "one-pass", lambda: DefaultCUDA().apply(definition.forward(shape), target)
+        shape, target, "one-pass", lambda: OnePassCUDA().apply(definition.forward(shape), target)
     )
 
 
@@ -390,9 +390,7 @@ def tune_suite(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m tvm_deform.tools.gpu_session", description=__doc__
-    )
+    parser = argparse.ArgumentParser(prog="python lab/gpu_session.py", description=__doc__)
     parser.add_argument("--out", required=True, help="directory for the results and logs")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument(
@@ -405,14 +403,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--checks", type=int, default=12, help="random configurations")
     parser.add_argument("--quick", action="store_true", help="two suite layers only")
     parser.add_argument(
+        "--call-limit",
+        type=float,
+        default=600,
+        help="seconds the machine allows one command (the run stops its steps before it)",
+    )
+    parser.add_argument(
         "--deadline",
         type=float,
-        default=540,
-        help="seconds after which the remaining steps are skipped (a device call ends at 600)",
+        default=None,
+        help="seconds after which the remaining steps are skipped (default: a minute under "
+        "--call-limit)",
     )
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
     trials = args.trials if args.trials is not None else (32 if cuda else 0)
+    if args.deadline is None:
+        args.deadline = args.call_limit - 60
 
     started = time.monotonic()
     out = Path(args.out)

@@ -7,7 +7,7 @@ against torchvision first. Both kernels are loaded through the kernel cache, so 
 parallel loops on torch's threads, as the op's kernels do (a module compiled in memory would run
 them on TVM's own pool).
 
-    .venv/bin/python tools/small_maps.py > docs/small-maps-<cpu>.md
+    .venv/bin/python lab/small_maps.py > docs/results/<cpu>/small-maps.md
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 machine, with a dense conv2d of each layer: the AVX2 code path's speed where no AVX2-only CPU is at
 hand (not a real AVX2 CPU's speed; the conv2d is torch's kernel for this CPU).
 
-    .venv/bin/python tools/avx2_path.py > docs/avx2-path-<cpu>.md
+    .venv/bin/python lab/avx2_path.py > docs/results/<cpu>/avx2-path.md
 """
 
 from __future__ import annotations

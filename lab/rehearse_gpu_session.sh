@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Rehearse a GPU session's two device calls here, on the CPU, with the same scripts: pack the
-# wheel parts (for this machine's Python), run the first call's command (tools/gpu_stash.sh)
-# with the first part in .gpu/, then the second call's (tools/gpu_session.sh) with the second
+# wheel parts (for this machine's Python), run the first call's command (lab/gpu_stash.sh)
+# with the first part in .gpu/, then the second call's (lab/gpu_session.sh) with the second
 # part there and the session on the CPU (--device cpu --quick). Runs in a clone of the
 # repository (its committed tree, as a device call carries it) in a scratch directory, with
 # this checkout's .venv first on PATH (torch comes from there, as from the GPU image there).
-#   bash tools/rehearse_gpu_session.sh [OUT_DIR]
+#   bash lab/rehearse_gpu_session.sh [OUT_DIR]
 set -euo pipefail
 root=$(pwd)
 work=$(mktemp -d)
@@ -16,15 +16,15 @@ cd "$work/repo"
 export PATH="$root/.venv/bin:$PATH"
 version=$(python3 -c 'import sys; print(f"{sys.version_info.major}.{sys.version_info.minor}")')
 xgboost=$(python3 -c 'import xgboost; print(xgboost.__version__)')
-bash tools/pack_gpu_wheels.sh "$version" "$xgboost"
+bash lab/pack_gpu_wheels.sh "$version" "$xgboost"
 parts=(.gpu/wheels.tar.part-*)
 if ((${#parts[@]} != 2)); then echo "expected two wheel parts, got ${#parts[@]}"; exit 1; fi
 mkdir -p "$work/later"
 mv "${parts[1]}" "$work/later/"
 rm -rf /tmp/site /tmp/wheels /tmp/gpu-stash
-bash tools/gpu_stash.sh
+bash lab/gpu_stash.sh
 mv "$work/later/$(basename "${parts[1]}")" .gpu/
-bash tools/gpu_session.sh "$out" --device cpu --quick --checks 2
+bash lab/gpu_session.sh "$out" --device cpu --quick --checks 2
 python3 - "$out" <<'PY'
 import json, sys
 results = json.load(open(f"{sys.argv[1]}/gpu_results.json"))

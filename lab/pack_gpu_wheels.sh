@@ -5,9 +5,9 @@
 # working tree (what every device call carries) stays under the per-call limit with margin. Run
 # here, in the repository root; the parts land in .gpu/ (git-ignored). See README "Running on
 # a GPU".
-#   bash tools/pack_gpu_wheels.sh [PYTHON_VERSION [XGBOOST_VERSION]]
+#   bash lab/pack_gpu_wheels.sh [PYTHON_VERSION [XGBOOST_VERSION]]
 # (defaults 3.12, the GPU machine's Python, and xgboost-cpu 3.4.1, which needs 3.12; the
-# rehearsal, tools/rehearse_gpu_session.sh, packs for this machine's Python and xgboost instead)
+# rehearsal, lab/rehearse_gpu_session.sh, packs for this machine's Python and xgboost instead)
 set -euo pipefail
 python_version=${1:-3.12}
 xgboost_version=${2:-3.4.1}
@@ -23,4 +23,4 @@ rm -f .gpu/wheels.tar .gpu/wheels.tar.part-*
 tar -cf .gpu/wheels.tar -C .gpu/download .
 split -b 54m .gpu/wheels.tar .gpu/wheels.tar.part-
 rm .gpu/wheels.tar
-bash tools/check_carry_sizes.sh .gpu/wheels.tar.part-*
+bash lab/check_carry_sizes.sh .gpu/wheels.tar.part-*

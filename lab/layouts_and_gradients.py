@@ -7,7 +7,7 @@
   network that still trains what comes before it), and with only the weight's gradient (the
   input and the offset branch frozen).
 
-    .venv/bin/python tools/layouts_and_gradients.py > docs/layouts-and-gradients-<cpu>.md
+    .venv/bin/python lab/layouts_and_gradients.py > docs/results/<cpu>/layouts-and-gradients.md
 """
 
 from __future__ import annotations
