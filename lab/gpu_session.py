@@ -52,8 +52,8 @@ from tvm_deform import __version__, deform_conv2d, schedules
 from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import kernels, targets
+from tvm_deform.runtime.inputs import TOLERANCE, conv_kwargs, random_inputs, random_shape
 from tvm_deform.tools.bench import geometric_mean, measure, relative_error
-from tvm_deform.tools.inputs import TOLERANCE, conv_kwargs, random_inputs, random_shape
 from tvm_deform.tools.suite import load_suite
 
 #: the labels of the rows that time a schedule dispatch does not pick, to tell whether it

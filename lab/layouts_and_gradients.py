@@ -18,8 +18,8 @@ import torch
 
 from tvm_deform import deform_conv2d
 from tvm_deform.runtime import targets
+from tvm_deform.runtime.inputs import conv_kwargs, random_inputs
 from tvm_deform.tools.bench import measure
-from tvm_deform.tools.inputs import conv_kwargs, random_inputs
 from tvm_deform.tools.suite import load_suite
 
 LAYERS = ("demo_64x56x56", "r50_c3_128x100x168", "r50_c4_256x50x84")

@@ -26,8 +26,8 @@ from tvm_deform.binding.ops import run_forward
 from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import kernels, targets
+from tvm_deform.runtime.inputs import conv_kwargs, random_inputs
 from tvm_deform.tools.bench import measure, relative_error
-from tvm_deform.tools.inputs import conv_kwargs, random_inputs
 from tvm_deform.tools.suite import load_suite
 
 SUITE_LAYERS = (

@@ -63,10 +63,16 @@ class Choices:
         valid: Callable[[int], bool] = lambda value: True,
     ):
         """The default's value untuned; else one of the valid values (an int when there is
-        one, a sampled ``ExprRV`` when there are several; the default when none is valid)."""
+        one, a sampled ``ExprRV`` when there are several; the default when none is valid).
+        A sampled choice starts at the default's value, so that a design space as returned is
+        the default schedule wherever the default's values are valid."""
         if not self.tunable:
             return default
         options = sorted({value for value in (*candidates, default) if valid(value)})
         if len(options) <= 1:
             return options[0] if options else default
-        return self.sch.sample_categorical(options, [1.0 / len(options)] * len(options))
+        return self.sch.sample_categorical(
+            options,
+            [1.0 / len(options)] * len(options),
+            decision=options.index(default) if default in options else None,
+        )

@@ -6,9 +6,12 @@ import torch
 
 @pytest.fixture(autouse=True, scope="session")
 def _kernel_cache(tmp_path_factory):
-    """Keep the tests' compiled kernels out of the user's cache directory."""
+    """Keep the tests' compiled kernels out of the user's cache directory, and the user's own
+    tuning logs out of the tests' lookups."""
     mp = pytest.MonkeyPatch()
     mp.setenv("TVM_DEFORM_CACHE_DIR", str(tmp_path_factory.mktemp("kernel-cache")))
+    mp.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("data-home")))
+    mp.delenv("TVM_DEFORM_LOGS", raising=False)
     yield
     mp.undo()
 

@@ -7,7 +7,7 @@ import random
 import torch
 
 from tvm_deform.ir.definition import ConvShape
-from tvm_deform.tools.inputs import random_shape
+from tvm_deform.runtime.inputs import random_shape
 
 
 def random_config(rng: random.Random) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -209,7 +211,8 @@ def test_host_target_names_the_cpu():
     assert target.kind.name == "llvm"
     assert target.attrs["mcpu"] == targets.host_cpu()
     assert targets.hardware_key(target) == f"llvm/{targets.host_cpu()}"
-    assert int(target.attrs["num-cores"]) == os.cpu_count()
+    # The cores this process may run on (taskset, a cgroup cpuset), not the machine's.
+    assert int(target.attrs["num-cores"]) == len(os.sched_getaffinity(0))
 
 
 def test_workload_key_lists_every_parameter():
@@ -219,30 +222,46 @@ def test_workload_key_lists_every_parameter():
     assert '"mcpu"' in key
 
 
-def test_package_data_is_installed(tmp_path):
-    """A plain wheel holds the schedules and the tuning logs, not only an editable install."""
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """A plain (non-editable) wheel of the repository."""
+    out = tmp_path_factory.mktemp("wheel")
     root = Path(__file__).resolve().parents[1]
     subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp_path),
-            str(root),
-        ],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+        + ["-w", str(out), str(root)],
         check=True,
-        cwd=tmp_path,
+        cwd=out,
     )
+    (built,) = out.glob("tvm_deform-*.whl")
+    return built
+
+
+#: every file a wheel may hold: the package's modules (schedules included), the suite, the
+#: launcher sources, the pruned tuning logs and the wheel's metadata; no lab, tests or docs
+WHEEL_ALLOW_LIST = [
+    r"tvm_deform/([a-z_]+/)*[a-z_0-9]+\.py",
+    r"tvm_deform/tools/suite\.json",
+    r"tvm_deform/runtime/(launcher|workspace)\.cc",
+    r"tvm_deform/tuning_logs/README\.md",
+    r"tvm_deform/tuning_logs/(llvm|cuda)/[\w.-]+/(manifest|decisions)\.json",
+    r"tvm_deform/tuning_logs/(llvm|cuda)/[\w.-]+/\w+/database_tuning_record\.json",
+    r"tvm_deform/tuning_logs/(llvm|cuda)/[\w.-]+/\w+/database_workload\.json\.gz",
+    r"tvm_deform-[\w.]+\.dist-info/(METADATA|RECORD|WHEEL|entry_points\.txt|top_level\.txt)",
+    r"tvm_deform-[\w.]+\.dist-info/licenses/LICENSE",
+]
+
+
+def test_wheel_holds_the_package_and_only_allowed_files(wheel):
+    """A plain wheel holds the schedules and the tuning logs, not only an editable install, and
+    nothing else: no lab scripts, tests or docs."""
+    import re
     import zipfile
 
-    (wheel,) = tmp_path.glob("tvm_deform-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for schedule in ("cpu.py", "cpu_backward.py", "cuda.py"):
+    strays = [n for n in names if not any(re.fullmatch(p, n) for p in WHEEL_ALLOW_LIST)]
+    assert not strays, f"files outside the wheel's allow-list: {strays}"
+    for schedule in ("cpu.py", "cpu_backward.py", "cuda.py", "rule.py"):
         assert f"tvm_deform/schedules/{schedule}" in names
     for space in ("handwritten", "generic", "default"):
         assert f"tvm_deform/tuning_logs/llvm/znver4/{space}/database_tuning_record.json" in names
@@ -253,3 +272,38 @@ def test_package_data_is_installed(tmp_path):
     assert "tvm_deform/runtime/launcher.cc" in names
     assert "tvm_deform/runtime/workspace.cc" in names
     assert "tvm_deform/tools/suite.json" in names
+    assert not [n for n in names if "gpu_session" in n or n.startswith("lab/")]
+
+
+@pytest.mark.slow
+def test_tune_on_an_installed_package_writes_nothing_under_site_packages(wheel, tmp_path):
+    site, data = tmp_path / "site", tmp_path / "data"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index"]
+        + ["--target", str(site), str(wheel)],
+        check=True,
+    )
+    before = {p: p.stat().st_mtime_ns for p in site.rglob("*")}
+    env = {k: v for k, v in os.environ.items() if k != "TVM_DEFORM_LOGS"}
+    env |= {
+        "PYTHONPATH": str(site),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "XDG_DATA_HOME": str(data),
+        "TVM_DEFORM_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    shape = json.dumps(dataclasses.asdict(SHAPE))
+    code = (
+        "import tvm_deform, sys; assert 'site' in tvm_deform.__file__, tvm_deform.__file__; "
+        "from tvm_deform.tools.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code, "tune", "--shape", shape, "--trials", "0"]
+        + ["--space", "handwritten", "--work-dir", str(tmp_path / "work")],
+        check=True,
+        cwd=tmp_path,
+        env=env,
+    )
+    after = {p: p.stat().st_mtime_ns for p in site.rglob("*")}
+    assert after == before, "tune wrote under the installed package"
+    key = targets.hardware_key(targets.host_target())
+    assert (data / "tvm_deform" / "tuning_logs" / key / "manifest.json").is_file()

@@ -4,11 +4,9 @@ GPU tests that run where torch sees one."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,9 +24,9 @@ from tvm_deform.binding.ops import run_forward
 from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import records, targets
+from tvm_deform.runtime.inputs import conv_kwargs, random_inputs
 from tvm_deform.tools import cuda_build
 from tvm_deform.tools.cli import main
-from tvm_deform.tools.inputs import conv_kwargs, random_inputs
 from tvm_deform.tools.suite import load_suite
 
 SUITE = load_suite()
@@ -374,7 +372,7 @@ def test_cuda_matches_torchvision_cuda(cfg):
 
 @needs_gpu
 def test_cuda_runs_on_the_current_stream_without_synchronising():
-    from tvm_deform.tools.gpu_session import check_stream_capture
+    from gpu_session import check_stream_capture
 
     # Capturing a CUDA graph fails if a kernel is launched on another stream or if the host
     # synchronises; replaying it on the side stream must give a plain call's result.
@@ -465,188 +463,6 @@ def test_cuda_backward_builds_without_atomics(arch):
     assert "deform_conv2d_grad_input_kernel" in machine.kernels
     assert len(machine.kernels) >= 10  # one kernel per stage of the gradients PrimFunc
     assert all("spill" not in line or "0 bytes spill" in line for line in machine.kernels.values())
-
-
-def test_gpu_session_steps_run_on_the_cpu(tmp_path):
-    """The GPU session script's checking and timing steps, run on the CPU so that a GPU call
-    does not find their bugs first."""
-    from tvm_deform.tools import gpu_session
-
-    code = gpu_session.main(["--out", str(tmp_path), "--device", "cpu", "--checks", "2", "--quick"])
-    results = json.loads((tmp_path / "gpu_results.json").read_text())
-    assert code == 0, results
-    assert results["first_kernel"]["value"]["passed"]
-    # 2 suite layers and 2 check configurations, built in parallel processes
-    assert results["build"]["ok"] and results["build"]["value"]["kernels"] == 4
-    assert all(c["passed"] for c in results["check"]["value"])
-    assert all(c["same_bits_twice"] for c in results["gradients"]["value"])
-    timed = [r for r in results["time"]["value"] if r["implementation"] == "tvm_deform default"]
-    assert timed and all(r["split_parts"] == 1 for r in timed)  # a CUDA rule
-    assert results["gradients"]["ok"]
-    assert "time_so_far" not in results
-    table = (tmp_path / "gpu_results.md").read_text()
-    assert "demo_64x56x56" in table and "speed-up over torchvision" in table
-
-
-def test_gpu_session_exits_non_zero_when_a_check_fails(tmp_path, monkeypatch):
-    from tvm_deform.tools import gpu_session
-
-    failing = [{"shape": {}, "dtype": "float32", "error": 1.0, "passed": False}]
-    monkeypatch.setattr(gpu_session, "check_correctness", lambda device, count: failing)
-    monkeypatch.setattr(gpu_session, "build_kernels", lambda shapes, device: {})
-    code = gpu_session.main(["--out", str(tmp_path), "--device", "cpu", "--checks", "1", "--quick"])
-    results = json.loads((tmp_path / "gpu_results.json").read_text())
-    assert code == 1
-    assert results["check"]["ok"] is False
-    assert results["time"]["ok"] is True  # the later steps still ran
-
-
-def test_gpu_session_times_the_defaults_before_tuning(tmp_path, monkeypatch):
-    # The tuning's length is the least certain: torchvision, the default kernels and conv2d are
-    # timed before it, the tuned kernels after it, and the table holds both.
-    from tvm_deform.tools import gpu_session
-
-    calls = []
-
-    def time_layers(layers, device, dtypes, on_row, tuned=False):
-        calls.append("time tuned" if tuned else "time")
-        labels = ["tvm_deform tuned"] if tuned else ["torchvision", "tvm_deform default"]
-        rows = [
-            {"layer": "seed", "dtype": "float32", "implementation": label, "error": 0.0}
-            | {"median_ms": 1.0 if label == "tvm_deform tuned" else 2.0}
-            for label in labels
-        ]
-        for row in rows:
-            on_row(row)
-        return rows
-
-    def tune_suite(layers, trials, seconds, work, device):
-        calls.append("tune")
-        assert list(layers)[0] != "seed"  # the largest layers first
-        return {}
-
-    monkeypatch.setattr(gpu_session, "time_layers", time_layers)
-    monkeypatch.setattr(gpu_session, "tune_suite", tune_suite)
-    monkeypatch.setattr(gpu_session, "_pack_logs", lambda logs, archive: [])
-    monkeypatch.setattr(gpu_session, "first_kernel", lambda device: {"passed": True})
-    monkeypatch.setattr(gpu_session, "build_kernels", lambda shapes, device: {})
-    monkeypatch.setattr(gpu_session, "check_correctness", lambda device, count: [])
-    monkeypatch.setattr(gpu_session, "check_gradients", lambda device: [])
-    argv = ["--out", str(tmp_path), "--device", "cpu", "--quick", "--trials", "1"]
-    assert gpu_session.main(argv) == 0
-    assert calls == ["time", "tune", "time tuned"]
-    results = json.loads((tmp_path / "gpu_results.json").read_text())
-    assert results["tune"]["ok"] and results["time_tuned"]["ok"]
-    assert "time_so_far" not in results
-    table = (tmp_path / "gpu_results.md").read_text()
-    assert "| seed | float32 | 2.000 | 2.000 | 1.000 |" in table and "2.00x" in table
-
-
-def test_gpu_session_table_survives_a_call_killed_while_tuning(tmp_path, monkeypatch):
-    # A device call that runs out of time is killed: the table of the rows timed before the
-    # tuning must already be on disk.
-    from tvm_deform.tools import gpu_session
-
-    def time_layers(layers, device, dtypes, on_row, tuned=False):
-        row = {"layer": "seed", "dtype": "float32", "implementation": "torchvision"}
-        on_row(row | {"error": 0.0, "median_ms": 2.0})
-        on_row(row | {"implementation": "tvm_deform default", "error": 0.0, "median_ms": 1.0})
-        return []
-
-    def killed(*args):
-        raise KeyboardInterrupt  # stands for the kill: nothing after it runs
-
-    monkeypatch.setattr(gpu_session, "time_layers", time_layers)
-    monkeypatch.setattr(gpu_session, "tune_suite", killed)
-    monkeypatch.setattr(gpu_session, "first_kernel", lambda device: {"passed": True})
-    monkeypatch.setattr(gpu_session, "build_kernels", lambda shapes, device: {})
-    monkeypatch.setattr(gpu_session, "check_correctness", lambda device, count: [])
-    monkeypatch.setattr(gpu_session, "check_gradients", lambda device: [])
-    argv = ["--out", str(tmp_path), "--device", "cpu", "--quick", "--trials", "1"]
-    with pytest.raises(KeyboardInterrupt):
-        gpu_session.main(argv)
-    table = (tmp_path / "gpu_results.md").read_text()
-    assert "| seed | float32 | 2.000 | 1.000 |" in table and "2.00x" in table
-
-
-def test_gpu_session_keeps_timing_when_an_implementation_fails(monkeypatch):
-    # As torchvision's CUDA op in bfloat16: the row records the failure, the others are timed.
-    from tvm_deform.tools import gpu_session
-
-    def no_kernel(*args, **kwargs):
-        raise RuntimeError("no kernel for this dtype")
-
-    monkeypatch.setattr(gpu_session, "_our_kernel", no_kernel)
-    seen = []
-    rows = gpu_session.time_layers(
-        {"seed": SUITE["seed"]}, "cpu", runs=3, on_row=lambda row: seen.append(row)
-    )
-    assert seen == rows
-    by_name = {row["implementation"]: row for row in rows}
-    assert by_name["tvm_deform default"]["median_ms"] is None
-    assert "no kernel" in by_name["tvm_deform default"]["failure"]
-    assert by_name["torchvision"]["median_ms"] > 0 and by_name["conv2d (dense)"]["median_ms"] > 0
-    table = gpu_session.markdown(rows)
-    assert "| seed | float32 |" in table and " - |" in table
-    assert gpu_session.speedup_over_torchvision(rows) is None
-
-
-def test_gpu_session_times_the_schedules_dispatch_does_not_pick(monkeypatch):
-    # Beside our kernels, the session times the public op as users call it; where the default
-    # splits the reduction, OnePassCUDA's one pass; where tensor cores take a layer, the
-    # tensor-core schedule (the last two stood for here by the CPU's default kernel). Each has
-    # a column of its own, which the speed-up over torchvision leaves out.
-    from tvm_deform.runtime import kernels
-    from tvm_deform.tools import gpu_session
-
-    def cpu_kernel(shape, target):
-        return kernels.get_kernel(shape, target, tuned=False)
-
-    monkeypatch.setattr(gpu_session.schedules, "split_parts", lambda shape, target: 4)
-    monkeypatch.setattr(gpu_session.schedules, "tensor_cores_take", lambda shape, target: True)
-    monkeypatch.setattr(gpu_session, "_one_pass_kernel", cpu_kernel)
-    monkeypatch.setattr(gpu_session, "_tensor_core_kernel", cpu_kernel)
-    rows = gpu_session.time_layers({"seed": SUITE["seed"]}, "cpu", runs=3)
-    by_name = {r["implementation"]: r for r in rows}
-    assert by_name["tvm_deform default"]["split_parts"] == 4
-    header, _, line = gpu_session.markdown(rows).splitlines()
-    columns = ((gpu_session.PUBLIC_OP, 6), (gpu_session.ONE_PASS, 7), (gpu_session.TENSOR_CORES, 8))
-    for label, column in columns:
-        assert by_name[label]["median_ms"] > 0 and by_name[label]["error"] < 1e-6
-        assert line.split("|")[column].strip() == f"{by_name[label]['median_ms']:.3f}"
-    assert [header.split("|")[c].strip() for c in (6, 7, 8)] == [
-        "public op ms",
-        "one pass ms",
-        "tensor cores ms",
-    ]
-    ours = by_name["tvm_deform default"]["median_ms"]
-    expected = by_name["torchvision"]["median_ms"] / ours
-    assert gpu_session.speedup_over_torchvision(rows) == pytest.approx(expected)
-
-
-def test_gpu_session_builds_the_extra_schedules_before_timing(monkeypatch):
-    # Compiled in the parallel build step, not one at a time inside the timing.
-    from tvm_deform.tools import gpu_session
-
-    built = []
-    monkeypatch.setattr(gpu_session.schedules, "split_parts", lambda shape, target: 2)
-    monkeypatch.setattr(gpu_session.schedules, "tensor_cores_take", lambda shape, target: True)
-    monkeypatch.setattr(gpu_session, "_one_pass_kernel", lambda *a: built.append("one pass"))
-    monkeypatch.setattr(gpu_session, "_tensor_core_kernel", lambda *a: built.append("tc"))
-    gpu_session._build_one(SUITE["seed"], "cpu")
-    assert built == ["one pass", "tc"]
-
-
-def test_every_device_call_fits(tmp_path):
-    # What a GPU session carries: the working tree in every call, one wheel part per call.
-    root = Path(__file__).resolve().parent.parent
-    script = ["bash", str(root / "tools" / "check_carry_sizes.sh")]
-    assert subprocess.run(script, capture_output=True, cwd=root).returncode == 0
-    part = tmp_path / "wheels.tar.part-aa"
-    with open(part, "wb") as file:
-        file.truncate(57 * 1024 * 1024)
-    result = subprocess.run([*script, str(part)], capture_output=True, text=True, cwd=root)
-    assert result.returncode == 1 and "at most 56 MiB" in result.stdout
 
 
 @needs_nvcc

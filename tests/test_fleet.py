@@ -17,8 +17,8 @@ from reference import deform_conv2d_reference
 from tvm_deform import deform_conv2d
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import dispatch, kernels, records, targets
+from tvm_deform.runtime.inputs import conv_kwargs, random_inputs
 from tvm_deform.tools.fleet import Fleet, local_fleet
-from tvm_deform.tools.inputs import conv_kwargs, random_inputs
 from tvm_deform.tools.tuning import trial_history, tune
 
 SHAPE = ConvShape(1, 16, 12, 12, 16, 3, 3, pad_h=1, pad_w=1, has_bias=True)

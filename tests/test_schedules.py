@@ -16,6 +16,7 @@ from tvm_deform.schedules import apply_default, design_spaces
 from tvm_deform.schedules.cpu import (
     TRANSPOSE_BLOCK,
     Layer,
+    OutputChannelCPU,
     apply_inline_structure,
     apply_output_channel_structure,
     apply_split_output_structure,
@@ -23,10 +24,12 @@ from tvm_deform.schedules.cpu import (
     largest_divisor,
 )
 
+from tvm_deform import schedules
 from tvm_deform.binding.ops import run_forward
 from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import targets
+from tvm_deform.tools.suite import load_suite
 
 TOLERANCE = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -238,3 +241,33 @@ def test_default_picks_the_structure_from_the_layer():
         )
     }
     assert list(packs.values()) == [True, False, False, False]
+
+
+@pytest.mark.parametrize("target_name", ["host", "sm_90"])
+@pytest.mark.parametrize("kernel", ["forward", "backward"])
+def test_each_suite_layers_default_is_a_point_of_its_rules_space(kernel, target_name):
+    # A rule's space starts at the default's values (Choices), so the default is one point of
+    # it exactly when one of the rule's spaces, as returned, is the default schedule.
+    target = targets.host_target() if target_name == "host" else targets.cuda_target("sm_90")
+    for name, shape in load_suite().items():
+        func = definition.forward(shape) if kernel == "forward" else definition.backward(shape)
+        rule = next(
+            r for r in schedules.rules_for(kernel, target) if r.default and r.apply(func, target)
+        )
+        default = rule.apply(func, target).mod.script()
+        spaces = rule.apply(func, target, tunable=True)
+        spaces = spaces if isinstance(spaces, list) else [spaces]
+        assert any(space.mod.script() == default for space in spaces), (name, rule)
+        assert all(space.trace is not None for space in spaces)
+
+
+def test_the_space_is_wider_than_the_default():
+    # The output-channel structure is the default only from 512 pixels on; its space is
+    # offered from 128, so a tuned win on a smaller map stays reachable.
+    target = targets.host_target()
+    shape = ConvShape(1, 64, 16, 16, 64, 3, 3, pad_h=1, pad_w=1)
+    func = definition.forward(shape)
+    rule = OutputChannelCPU()
+    assert rule.apply(func, target) is None
+    assert rule.apply(func, target, tunable=True) is not None
+    assert any("weight_global" in blocks(s) for s in design_spaces("forward", func, target))

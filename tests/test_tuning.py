@@ -19,7 +19,7 @@ from tvm.s_tir import meta_schedule as ms
 from tvm_deform import deform_conv2d
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import dispatch, kernels, records, targets
-from tvm_deform.tools.inputs import conv_kwargs, random_inputs
+from tvm_deform.runtime.inputs import conv_kwargs, random_inputs
 from tvm_deform.tools.merge import merge_logs
 from tvm_deform.tools.suite import load_suite
 from tvm_deform.tools.tuning import (

@@ -72,7 +72,22 @@ def onnx_translation_table() -> dict[Any, Callable]:
 def export_onnx(model: torch.nn.Module, args: tuple, **kwargs: Any):
     """``torch.onnx.export(model, args, dynamo=True, opset_version=19, ...)`` with our op
     translated to ``DeformConv``; ``kwargs`` go to ``torch.onnx.export`` (``f=`` to write a
-    file, ``dynamic_shapes=``, ...). Returns the ``ONNXProgram``."""
+    file, ``dynamic_shapes=``, ...). Returns the ``ONNXProgram``.
+
+    Examples::
+        >>> import torch
+        >>> from tvm_deform import DeformConv2d, export_onnx
+        >>> class Layer(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.offset = torch.nn.Conv2d(8, 18, 3, padding=1)
+        ...         self.conv = DeformConv2d(8, 8, 3, padding=1)
+        ...     def forward(self, x):
+        ...         return self.conv(x, self.offset(x))
+        >>> program = export_onnx(Layer().eval(), (torch.rand(1, 8, 12, 12),), verbose=False)
+        >>> [node.op_type for node in program.model_proto.graph.node][-1]
+        'DeformConv'
+    """
     table = onnx_translation_table() | kwargs.pop("custom_translation_table", {})
     opset = kwargs.pop("opset_version", DEFORM_CONV_OPSET)
     if opset < DEFORM_CONV_OPSET:

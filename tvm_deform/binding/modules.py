@@ -20,6 +20,18 @@ class DeformConv2d(nn.Module):
     Same constructor, parameters, initialisation and ``forward(input, offset, mask=None)`` as
     :class:`torchvision.ops.DeformConv2d`, so a state dict moves between the two unchanged and
     the same seed gives the same initial weights.
+
+    Examples::
+        >>> import torch
+        >>> from torch import nn
+        >>> from tvm_deform import DeformConv2d
+        >>> # DCNv2 as in detectors: the offsets and masks come from a plain conv of the input
+        >>> conv = DeformConv2d(16, 32, kernel_size=3, padding=1)
+        >>> offsets_and_mask = nn.Conv2d(16, 3 * 3 * 3, kernel_size=3, padding=1)
+        >>> x = torch.rand(2, 16, 20, 24)
+        >>> dy_dx, mask = offsets_and_mask(x).split([18, 9], dim=1)
+        >>> conv(x, dy_dx, mask.sigmoid()).shape
+        torch.Size([2, 32, 20, 24])
     """
 
     def __init__(

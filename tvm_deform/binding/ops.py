@@ -476,6 +476,30 @@ def deform_conv2d(
     the sizes are checked before the dtypes, in torchvision's order. Works under ``torch.fx``
     symbolic tracing (one graph node) and ``torch.jit.script`` (the op is called directly; its
     errors then arrive as TorchScript's ``RuntimeError``).
+
+    Examples::
+        >>> import torch
+        >>> from tvm_deform import deform_conv2d
+        >>> input = torch.rand(4, 3, 10, 10)
+        >>> kh, kw = 3, 3
+        >>> weight = torch.rand(5, 3, kh, kw)
+        >>> # offset and mask should have the same spatial size as the output
+        >>> # of the convolution. In this case, for an input of 10, stride of 1
+        >>> # and kernel size of 3, without padding, the output size is 8
+        >>> offset = torch.rand(4, 2 * kh * kw, 8, 8)
+        >>> mask = torch.rand(4, kh * kw, 8, 8)
+        >>> out = deform_conv2d(input, offset, weight, mask=mask)
+        >>> print(out.shape)
+        torch.Size([4, 5, 8, 8])
+
+        The seed case that started the project: the exact answer is 4338, and an accelerator
+        that computed in float16 printed 4336.
+
+        >>> data = torch.arange(150, dtype=torch.float32).reshape(2, 3, 5, 5)
+        >>> ones = torch.ones(2, 18, 3, 3)
+        >>> out = deform_conv2d(data, ones, torch.ones(5, 3, 3, 3), mask=2 * ones[:, :9])
+        >>> out[1, 0, 2, 1].item()
+        4338.0
     """
     if not torch.jit.is_scripting():
         return _checked_call(input, offset, weight, bias, stride, padding, dilation, mask)

@@ -36,7 +36,7 @@ from tvm.target import Target
 from tvm_deform import __version__, env
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import kernels, records, targets
-from tvm_deform.tools.inputs import random_inputs
+from tvm_deform.runtime.inputs import random_inputs
 
 #: total seconds of timing per shape and op, shared by the candidates
 BUDGET_SECONDS = 1.0

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from tvm_deform.ir.definition import ConvShape
-from tvm_deform.tools.inputs import conv_kwargs, random_inputs
+from tvm_deform.runtime.inputs import conv_kwargs, random_inputs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,17 +62,21 @@ def run_demo(args: argparse.Namespace) -> int:
         f"Layer N=1 C=O=64 56x56 3x3 pad 1, random offsets (scale 2), "
         f"{torch.get_num_threads()} threads:"
     )
-    print_summary({"demo_64x56x56": shape}, available_peers())
+    print_summary({"demo_64x56x56": shape}, available_peers(), Path(args.out), "demo")
     return 0
 
 
-def print_summary(layers: dict[str, ConvShape], peers: Sequence[str]) -> None:
-    """Measure ``layers`` (see :func:`tvm_deform.tools.compare.run`) and print the per-layer
-    summary."""
+def print_summary(layers: dict[str, ConvShape], peers: Sequence[str], out: Path, name: str) -> None:
+    """Measure ``layers`` (see :func:`tvm_deform.tools.compare.run`), print the brief table and
+    write the full ones to ``out/<name>.md`` and ``out/<name>-summary.md``."""
     from tvm_deform.tools import compare
 
     records, _ = compare.run(layers, peers)
-    print(compare.summary_table(records))
+    print(compare.brief_table(records))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(compare.markdown_table(records))
+    (out / f"{name}-summary.md").write_text(compare.summary_table(records))
+    print(f"full tables: {out / name}.md, {out / name}-summary.md")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -83,7 +87,7 @@ def run_bench(args: argparse.Namespace) -> int:
         f"CPU {targets.host_cpu()}; median of >= 10 runs; random offsets N(0, 2^2), mask U[0, 1)"
     )
     peers = [] if args.no_peers else available_peers()
-    print_summary(workloads, peers)
+    print_summary(workloads, peers, Path(args.out), "bench")
     return 0
 
 
@@ -213,8 +217,8 @@ def run_compare(args: argparse.Namespace) -> int:
     table = compare.markdown_table(records)
     summary = compare.summary_table(records) if records else ""
     print()
-    print(table)
-    print(summary)
+    if records:
+        print(compare.brief_table(records))
     compare.write_csv(records, out / "compare.csv")
     compare.write_json(records, out / "compare.json")
     (out / "compare.md").write_text(table)
@@ -435,34 +439,75 @@ def _chosen_workloads(args: argparse.Namespace) -> dict[str, ConvShape]:
     return workloads
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parent(*options: str) -> argparse.ArgumentParser:
+    """A parent parser with the named shared options, each declared once here."""
+    parent = argparse.ArgumentParser(add_help=False)
+    declared = {
+        "suite": lambda: parent.add_argument(
+            "--suite", help="a suite JSON file instead of the shipped one"
+        ),
+        "workload": lambda: parent.add_argument(
+            "--workload", action="append", help="only this suite workload (repeatable)"
+        ),
+        "shape": lambda: parent.add_argument(
+            "--shape",
+            help='one layer as JSON (ConvShape fields), e.g. \'{"batch": 1, "in_channels": 64, '
+            '"height": 56, "width": 56, "out_channels": 64, "kernel_h": 3, "kernel_w": 3, '
+            '"pad_h": 1, "pad_w": 1}\'',
+        ),
+        "quick": lambda: parent.add_argument(
+            "--quick", action="store_true", help="two layers only, about a minute"
+        ),
+        "no-peers": lambda: parent.add_argument(
+            "--no-peers", action="store_true", help="leave out ONNX Runtime and OpenVINO"
+        ),
+        "out": lambda: parent.add_argument(
+            "--out", default="results", help="directory for the full tables (default: results)"
+        ),
+    }
+    for option in options:
+        declared[option]()
+    return parent
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tvm-deform`` command line."""
     parser = argparse.ArgumentParser(prog="tvm-deform", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="the seed case and a realistic layer against torchvision")
-    bench = sub.add_parser("bench", help="time layers against torchvision and dense conv2d")
-    bench.add_argument("--quick", action="store_true", help="two layers only")
-    bench.add_argument("--suite", help="a suite JSON file instead of the shipped one")
-    bench.add_argument(
-        "--no-peers", action="store_true", help="leave out ONNX Runtime and OpenVINO"
+    sub.add_parser(
+        "demo",
+        parents=[_parent("out")],
+        help="the seed case and a realistic layer against torchvision",
     )
-    backward = sub.add_parser(
-        "bench-backward", help="time forward + backward against torchvision and dense conv2d"
+    sub.add_parser(
+        "bench",
+        parents=[_parent("quick", "suite", "workload", "shape", "no-peers", "out")],
+        help="time layers against torchvision, the peers and dense conv2d",
     )
-    backward.add_argument("--quick", action="store_true", help="two layers only")
-    backward.add_argument("--suite", help="a suite JSON file instead of the shipped one")
-    backward.add_argument("--workload", action="append", help="only this suite workload")
+    sub.add_parser(
+        "bench-backward",
+        parents=[_parent("quick", "suite", "workload", "shape")],
+        help="time forward + backward against torchvision and dense conv2d",
+    )
     model = sub.add_parser(
-        "bench-model", help="R50-DCNv2: torch + torchvision / tvm_deform / dense, ORT, OpenVINO"
+        "bench-model",
+        parents=[_parent("no-peers", "out")],
+        help="R50-DCNv2: torch + torchvision / tvm_deform / dense, ORT, OpenVINO",
     )
     model.add_argument("--size", type=int, default=320, help="input height and width")
     model.add_argument("--batch", type=int, default=1)
     model.add_argument("--runs", type=int, default=10, help="timed runs per row, at least")
     model.add_argument("--no-compile", action="store_true", help="leave out torch.compile rows")
-    model.add_argument("--no-peers", action="store_true", help="leave out ONNX Runtime/OpenVINO")
-    model.add_argument("--out", default="results", help="directory for bench-model.md")
-    info = sub.add_parser("info", help="target, hardware key, logs, and what each workload runs")
-    info.add_argument("--suite", help="a suite JSON file instead of the shipped one")
-    tune = sub.add_parser("tune", help="tune workloads with MetaSchedule (resumable)")
+    sub.add_parser(
+        "info",
+        parents=[_parent("suite")],
+        help="target, hardware key, logs, and what each workload runs",
+    )
+    tune = sub.add_parser(
+        "tune",
+        parents=[_parent("suite", "workload", "shape")],
+        help="tune workloads with MetaSchedule (resumable)",
+    )
     tune.add_argument(
         "--trials",
         type=int,
@@ -476,20 +521,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="forward",
         help="which kernel to tune (backward: the gradients kernel)",
     )
-    tune.add_argument("--suite", help="a suite JSON file instead of the shipped one")
-    tune.add_argument("--workload", action="append", help="only this suite workload (repeatable)")
-    tune.add_argument(
-        "--shape",
-        help='one shape as JSON, e.g. \'{"batch": 1, "in_channels": 64, '
-        '"height": 56, "width": 56, "out_channels": 64, "kernel_h": 3, '
-        '"kernel_w": 3, "pad_h": 1, "pad_w": 1}\'',
-    )
     tune.add_argument("--target", help="a target as JSON (default: this machine)")
     tune.add_argument("--work-dir", default="work/tune", help="full tuning databases (resumed)")
     tune.add_argument(
         "--logs-dir",
-        help="where pruned logs go (default: TVM_DEFORM_LOGS, else the per-user directory "
-        "that lookups also read; the repository's tuning_logs/ to update the shipped logs)",
+        help="where pruned logs go (default: TVM_DEFORM_LOGS, else the per-user directory that "
+        "lookups also read; the repository's tuning_logs/ to update the shipped logs)",
     )
     tune.add_argument("--no-write-logs", action="store_true", help="keep results in work dir")
     tune.add_argument("--rpc", metavar="HOST:PORT", help="measure on an RPC tracker's servers")
@@ -506,33 +543,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="stop measuring and searching after this long, keeping what was found",
     )
     report = sub.add_parser(
-        "tune-report", help="best time against trials spent, from the tuning work directory"
+        "tune-report",
+        parents=[_parent("suite", "workload", "shape")],
+        help="best time against trials spent, from the tuning work directory",
     )
     report.add_argument("--work-dir", default="work/tune")
     report.add_argument("--space", choices=("handwritten", "generic"), default="handwritten")
     report.add_argument("--op", choices=("forward", "backward"), default="forward")
-    report.add_argument("--suite", help="a suite JSON file instead of the shipped one")
-    report.add_argument("--workload", action="append", help="only this suite workload")
-    report.add_argument("--shape", help="one shape as JSON (ConvShape fields)")
-    cmp = sub.add_parser("compare", help="schedules vs torchvision, peers and dense conv2d")
-    cmp.add_argument("--quick", action="store_true", help="two layers, about a minute")
-    cmp.add_argument("--suite", help="a suite JSON file instead of the shipped one")
-    cmp.add_argument("--workload", action="append", help="only this suite workload (repeatable)")
-    cmp.add_argument("--shape", help="one layer as JSON (ConvShape fields) instead of the suite")
+    cmp = sub.add_parser(
+        "compare",
+        parents=[_parent("quick", "suite", "workload", "shape", "no-peers", "out")],
+        help="schedules vs torchvision, peers and dense conv2d",
+    )
     cmp.add_argument("--other-logs", help="a second tuning-log directory to compare against")
-    cmp.add_argument("--out", default="results", help="directory for the CSV, JSON, MD and PNG")
-    cmp.add_argument("--no-peers", action="store_true", help="leave out ONNX Runtime/OpenVINO")
     cmp.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    cuda = sub.add_parser(
+    build = sub.add_parser(
         "build",
+        parents=[_parent("suite", "workload", "shape")],
         help="write workloads' CUDA source and nvcc's cubin, or (--target) CPU object files",
     )
-    cuda.add_argument("--target", help="an LLVM target as JSON: write its object files instead")
-    cuda.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"], help="CUDA archs")
-    cuda.add_argument("--suite", help="a suite JSON file instead of the shipped one")
-    cuda.add_argument("--workload", action="append", help="only this suite workload")
-    cuda.add_argument("--shape", help="one shape as JSON (ConvShape fields)")
-    cuda.add_argument("--out", default="build/cuda", help="directory for the .cu and .cubin")
+    build.add_argument("--target", help="an LLVM target as JSON: write its object files instead")
+    build.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"], help="CUDA archs")
+    build.add_argument("--out", default="build/cuda", help="directory for the .cu and .cubin")
     sub.add_parser(
         "diagnose", help="the seed bug: the layer in float32 next to its float16 computation"
     )
@@ -547,6 +579,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     merge = logs_sub.add_parser("merge", help="merge log trees, keeping the best records")
     merge.add_argument("dirs", nargs="+", help="log trees laid out like tuning_logs/")
     merge.add_argument("--out", required=True, help="the merged tree (its own logs are kept)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {
         "demo": run_demo,

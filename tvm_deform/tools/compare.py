@@ -28,8 +28,9 @@ import torch
 from tvm_deform import __version__
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import dispatch, records, targets
+from tvm_deform.runtime.inputs import TOLERANCE
 from tvm_deform.tools.bench import BETWEEN, DISPATCHED, Row, compare_layer
-from tvm_deform.tools.inputs import TOLERANCE
+from tvm_deform.tools.peers import PEERS
 
 #: a relative error (norm-wise, against torchvision) above this fails the correctness column
 
@@ -259,6 +260,52 @@ def summary_table(records: list[dict[str, object]]) -> str:
         ]
         lines.append(f"| {workload} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+#: the width of a terminal the brief table must fit, unwrapped
+TERMINAL_COLUMNS = 100
+
+
+def brief_table(records: list[dict[str, object]]) -> str:
+    """One aligned line per workload with the few columns a newcomer reads: ``tvm_deform`` as
+    users call it, torchvision, the fastest peer, dense conv2d, our speed-up over torchvision
+    and whether every implementation matched torchvision. At most ``TERMINAL_COLUMNS`` wide
+    (the full tables go to files)."""
+    peers = set(PEERS)
+    by = {(r["workload"], r["implementation"]): r for r in records}
+    header = ["workload", "ours ms", "torchvision", "best peer ms", "dense ms", "speed-up", "ok"]
+    rows = []
+    for workload in dict.fromkeys(str(r["workload"]) for r in records):
+        ours = by[(workload, DISPATCHED)]
+        peer = min(
+            (r for r in records if r["workload"] == workload and r["implementation"] in peers),
+            key=lambda r: r["median_ms"],
+            default=None,
+        )
+        correct = [r["correct"] for r in records if r["workload"] == workload]
+
+        def ms(row: dict | None) -> str:
+            return "-" if row is None else f"{row['median_ms']:.2f}"
+
+        rows.append(
+            [
+                workload,
+                ms(ours),
+                ms(by.get((workload, "torchvision"))),
+                "-" if peer is None else f"{ms(peer)} {str(peer['implementation'])[:8]}",
+                ms(by.get((workload, "conv2d (dense)"))),
+                f"{ours['speedup_vs_torchvision']:.1f}x",
+                "NO" if False in correct else "yes",
+            ]
+        )
+    widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        return "  ".join([first, *(c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True))])
+
+    text = [line(header), *(line(r) for r in rows)]
+    return "\n".join(text) + "\n"
 
 
 def _column_rank(name: str) -> tuple[int, str]:

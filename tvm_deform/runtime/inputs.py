@@ -1,7 +1,7 @@
-"""Random arguments of a layer, shared by the benchmarks, the tests and the measured dispatch
-(:mod:`tvm_deform.runtime.dispatch`): normal input, weight and bias, offsets of a stated scale
-(never
-zeros, which would make every sample a grid point and the gathers regular), mask in [0, 1)."""
+"""Random arguments of a layer (build and dispatch layer), for the measured dispatch
+(:mod:`tvm_deform.runtime.dispatch`), the benchmarks and the tests: normal input, weight and
+bias, offsets of a stated scale (never zeros, which would make every sample a grid point and the
+gathers regular), mask in [0, 1)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,212 @@
+"""The lab's GPU-run scripts (``lab/``, not installed), rehearsed on the CPU: the session's
+checking, timing and tuning steps, and the check that what a device call carries fits."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import gpu_session
+import pytest
+
+from tvm_deform.tools.suite import load_suite
+
+SUITE = load_suite()
+
+
+def test_gpu_session_steps_run_on_the_cpu(tmp_path):
+    """The GPU session script's checking and timing steps, run on the CPU so that a GPU call
+    does not find their bugs first."""
+
+    code = gpu_session.main(["--out", str(tmp_path), "--device", "cpu", "--checks", "2", "--quick"])
+    results = json.loads((tmp_path / "gpu_results.json").read_text())
+    assert code == 0, results
+    assert results["first_kernel"]["value"]["passed"]
+    # 2 suite layers and 2 check configurations, built in parallel processes
+    assert results["build"]["ok"] and results["build"]["value"]["kernels"] == 4
+    assert all(c["passed"] for c in results["check"]["value"])
+    assert all(c["same_bits_twice"] for c in results["gradients"]["value"])
+    timed = [r for r in results["time"]["value"] if r["implementation"] == "tvm_deform default"]
+    assert timed and all(r["split_parts"] == 1 for r in timed)  # a CUDA rule
+    assert results["gradients"]["ok"]
+    assert "time_so_far" not in results
+    table = (tmp_path / "gpu_results.md").read_text()
+    assert "demo_64x56x56" in table and "speed-up over torchvision" in table
+
+
+def test_gpu_session_exits_non_zero_when_a_check_fails(tmp_path, monkeypatch):
+
+    failing = [{"shape": {}, "dtype": "float32", "error": 1.0, "passed": False}]
+    monkeypatch.setattr(gpu_session, "check_correctness", lambda device, count: failing)
+    monkeypatch.setattr(gpu_session, "build_kernels", lambda shapes, device: {})
+    code = gpu_session.main(["--out", str(tmp_path), "--device", "cpu", "--checks", "1", "--quick"])
+    results = json.loads((tmp_path / "gpu_results.json").read_text())
+    assert code == 1
+    assert results["check"]["ok"] is False
+    assert results["time"]["ok"] is True  # the later steps still ran
+
+
+def test_gpu_session_times_the_defaults_before_tuning(tmp_path, monkeypatch):
+    # The tuning's length is the least certain: torchvision, the default kernels and conv2d are
+    # timed before it, the tuned kernels after it, and the table holds both.
+
+    calls = []
+
+    def time_layers(layers, device, dtypes, on_row, tuned=False):
+        calls.append("time tuned" if tuned else "time")
+        labels = ["tvm_deform tuned"] if tuned else ["torchvision", "tvm_deform default"]
+        rows = [
+            {"layer": "seed", "dtype": "float32", "implementation": label, "error": 0.0}
+            | {"median_ms": 1.0 if label == "tvm_deform tuned" else 2.0}
+            for label in labels
+        ]
+        for row in rows:
+            on_row(row)
+        return rows
+
+    def tune_suite(layers, trials, seconds, work, device):
+        calls.append("tune")
+        assert list(layers)[0] != "seed"  # the largest layers first
+        return {}
+
+    monkeypatch.setattr(gpu_session, "time_layers", time_layers)
+    monkeypatch.setattr(gpu_session, "tune_suite", tune_suite)
+    monkeypatch.setattr(gpu_session, "_pack_logs", lambda logs, archive: [])
+    monkeypatch.setattr(gpu_session, "first_kernel", lambda device: {"passed": True})
+    monkeypatch.setattr(gpu_session, "build_kernels", lambda shapes, device: {})
+    monkeypatch.setattr(gpu_session, "check_correctness", lambda device, count: [])
+    monkeypatch.setattr(gpu_session, "check_gradients", lambda device: [])
+    argv = ["--out", str(tmp_path), "--device", "cpu", "--quick", "--trials", "1"]
+    assert gpu_session.main(argv) == 0
+    assert calls == ["time", "tune", "time tuned"]
+    results = json.loads((tmp_path / "gpu_results.json").read_text())
+    assert results["tune"]["ok"] and results["time_tuned"]["ok"]
+    assert "time_so_far" not in results
+    table = (tmp_path / "gpu_results.md").read_text()
+    assert "| seed | float32 | 2.000 | 2.000 | 1.000 |" in table and "2.00x" in table
+
+
+def test_gpu_session_table_survives_a_call_killed_while_tuning(tmp_path, monkeypatch):
+    # A device call that runs out of time is killed: the table of the rows timed before the
+    # tuning must already be on disk.
+
+    def time_layers(layers, device, dtypes, on_row, tuned=False):
+        row = {"layer": "seed", "dtype": "float32", "implementation": "torchvision"}
+        on_row(row | {"error": 0.0, "median_ms": 2.0})
+        on_row(row | {"implementation": "tvm_deform default", "error": 0.0, "median_ms": 1.0})
+        return []
+
+    def killed(*args):
+        raise KeyboardInterrupt  # stands for the kill: nothing after it runs
+
+    monkeypatch.setattr(gpu_session, "time_layers", time_layers)
+    monkeypatch.setattr(gpu_session, "tune_suite", killed)
+    monkeypatch.setattr(gpu_session, "first_kernel", lambda device: {"passed": True})
+    monkeypatch.setattr(gpu_session, "build_kernels", lambda shapes, device: {})
+    monkeypatch.setattr(gpu_session, "check_correctness", lambda device, count: [])
+    monkeypatch.setattr(gpu_session, "check_gradients", lambda device: [])
+    argv = ["--out", str(tmp_path), "--device", "cpu", "--quick", "--trials", "1"]
+    with pytest.raises(KeyboardInterrupt):
+        gpu_session.main(argv)
+    table = (tmp_path / "gpu_results.md").read_text()
+    assert "| seed | float32 | 2.000 | 1.000 |" in table and "2.00x" in table
+
+
+def test_gpu_session_keeps_timing_when_an_implementation_fails(monkeypatch):
+    # As torchvision's CUDA op in bfloat16: the row records the failure, the others are timed.
+
+    def no_kernel(*args, **kwargs):
+        raise RuntimeError("no kernel for this dtype")
+
+    monkeypatch.setattr(gpu_session, "_our_kernel", no_kernel)
+    seen = []
+    rows = gpu_session.time_layers(
+        {"seed": SUITE["seed"]}, "cpu", runs=3, on_row=lambda row: seen.append(row)
+    )
+    assert seen == rows
+    by_name = {row["implementation"]: row for row in rows}
+    assert by_name["tvm_deform default"]["median_ms"] is None
+    assert "no kernel" in by_name["tvm_deform default"]["failure"]
+    assert by_name["torchvision"]["median_ms"] > 0 and by_name["conv2d (dense)"]["median_ms"] > 0
+    table = gpu_session.markdown(rows)
+    assert "| seed | float32 |" in table and " - |" in table
+    assert gpu_session.speedup_over_torchvision(rows) is None
+
+
+def test_gpu_session_times_the_schedules_dispatch_does_not_pick(monkeypatch):
+    # Beside our kernels, the session times the public op as users call it; where the default
+    # splits the reduction, OnePassCUDA's one pass; where tensor cores take a layer, the
+    # tensor-core schedule (the last two stood for here by the CPU's default kernel). Each has
+    # a column of its own, which the speed-up over torchvision leaves out.
+    from tvm_deform.runtime import kernels
+
+    def cpu_kernel(shape, target):
+        return kernels.get_kernel(shape, target, tuned=False)
+
+    monkeypatch.setattr(gpu_session.schedules, "split_parts", lambda shape, target: 4)
+    monkeypatch.setattr(gpu_session.schedules, "tensor_cores_take", lambda shape, target: True)
+    monkeypatch.setattr(gpu_session, "_one_pass_kernel", cpu_kernel)
+    monkeypatch.setattr(gpu_session, "_tensor_core_kernel", cpu_kernel)
+    rows = gpu_session.time_layers({"seed": SUITE["seed"]}, "cpu", runs=3)
+    by_name = {r["implementation"]: r for r in rows}
+    assert by_name["tvm_deform default"]["split_parts"] == 4
+    header, _, line = gpu_session.markdown(rows).splitlines()
+    columns = ((gpu_session.PUBLIC_OP, 6), (gpu_session.ONE_PASS, 7), (gpu_session.TENSOR_CORES, 8))
+    for label, column in columns:
+        assert by_name[label]["median_ms"] > 0 and by_name[label]["error"] < 1e-6
+        assert line.split("|")[column].strip() == f"{by_name[label]['median_ms']:.3f}"
+    assert [header.split("|")[c].strip() for c in (6, 7, 8)] == [
+        "public op ms",
+        "one pass ms",
+        "tensor cores ms",
+    ]
+    ours = by_name["tvm_deform default"]["median_ms"]
+    expected = by_name["torchvision"]["median_ms"] / ours
+    assert gpu_session.speedup_over_torchvision(rows) == pytest.approx(expected)
+
+
+def test_gpu_session_builds_the_extra_schedules_before_timing(monkeypatch):
+    # Compiled in the parallel build step, not one at a time inside the timing: once the
+    # build step has run, timing every schedule compiles nothing.
+    import tvm
+
+    from tvm_deform import schedules
+    from tvm_deform.ir import definition
+    from tvm_deform.runtime import kernels
+
+    def cpu_kernel(shape, target):  # stands for the one-pass and tensor-core schedules
+        func = definition.forward(shape)
+        return kernels.load_scheduled(
+            shape, target, "extra", lambda: schedules.apply_default("forward", func, target)
+        )
+
+    monkeypatch.setenv("TVM_DEFORM_TUNED", "0")
+    monkeypatch.setattr(gpu_session.schedules, "split_parts", lambda shape, target: 2)
+    monkeypatch.setattr(gpu_session.schedules, "tensor_cores_take", lambda shape, target: True)
+    monkeypatch.setattr(gpu_session, "_one_pass_kernel", cpu_kernel)
+    monkeypatch.setattr(gpu_session, "_tensor_core_kernel", cpu_kernel)
+    kernels.clear_memory_cache()
+    gpu_session._build_one(SUITE["seed"], "cpu")
+    kernels.clear_memory_cache()  # the timing process finds them in the disk cache
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("a kernel was compiled while timing")
+
+    monkeypatch.setattr(tvm, "compile", no_compile)
+    rows = gpu_session.time_layers({"seed": SUITE["seed"]}, "cpu", runs=3)
+    by_name = {r["implementation"]: r for r in rows}
+    for label in ("tvm_deform default", gpu_session.ONE_PASS, gpu_session.TENSOR_CORES):
+        assert by_name[label]["median_ms"] > 0 and by_name[label]["error"] < 1e-6, label
+
+
+def test_every_device_call_fits(tmp_path):
+    # What a GPU session carries: the working tree in every call, one wheel part per call.
+    root = Path(__file__).resolve().parent.parent
+    script = ["bash", str(root / "lab" / "check_carry_sizes.sh")]
+    assert subprocess.run(script, capture_output=True, cwd=root).returncode == 0
+    part = tmp_path / "wheels.tar.part-aa"
+    with open(part, "wb") as file:
+        file.truncate(57 * 1024 * 1024)
+    result = subprocess.run([*script, str(part)], capture_output=True, text=True, cwd=root)
+    assert result.returncode == 1 and "at most 56 MiB" in result.stdout
