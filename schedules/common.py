@@ -35,6 +35,18 @@ def lanes(target: Target, dtype: str) -> int:
     return max(1, vector_bytes(target) * 8 // int(dtype.removeprefix("float")))
 
 
+def facts(target: Target) -> dict[str, int]:
+    """The hardware facts ``target`` carries as ``name=value`` entries of its keys (a CPU's
+    cache sizes, a GPU's multiprocessor count; see ``tvm_deform.runtime.targets.with_facts``,
+    which a schedule, a lower layer, does not import)."""
+    found = {}
+    for key in target.keys:
+        name, sep, value = str(key).partition("=")
+        if sep and value.isdigit():
+            found[name] = int(value)
+    return found
+
+
 def largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 from tvm.target import Target
-from tvm_deform.schedules.common import GEOMETRY, is_deform_conv
+from tvm_deform.schedules.common import GEOMETRY, facts, is_deform_conv
 from tvm_deform.schedules.rule import Choices, Rule
 
 #: a thread block's shared memory on every NVIDIA GPU since Volta without opting in to more
@@ -204,9 +204,12 @@ class SplitReductionCUDA(OnePassCUDA):
     ``min_part_channels``) and the rows as ``OnePassCUDA``'s does; it is offered wherever a
     split into two parts is possible."""
 
-    #: thread blocks a layer should have before its reduction is split no further: about four
-    #: per SM on an H100 or H200 (132 SMs), so that each SM has warps to switch to while
-    #: others wait on the sampling's scattered loads
+    #: thread blocks per multiprocessor a layer should have before its reduction is split no
+    #: further, so that each has warps to switch to while others wait on the sampling's
+    #: scattered loads
+    blocks_per_multiprocessor = 4
+    #: the same in blocks, for a target that does not say how many multiprocessors its GPU has
+    #: (about four per SM on an H100 or H200, 132 SMs)
     enough_blocks = 512
     #: the most slices a reduction is split into
     max_parts = 16
@@ -232,14 +235,25 @@ class SplitReductionCUDA(OnePassCUDA):
         per_block_o, per_block_p = threads_o * regs_o, self.threads_p * self.regs_p
         return n * -(-outputs // per_block_o) * -(-pixels // per_block_p)
 
-    def choose_parts(self, sch: s_tir.Schedule, threads_o: int, regs_o: int) -> int:
+    def blocks_wanted(self, target: Target) -> int:
+        """Thread blocks that fill ``target``'s GPU: ``blocks_per_multiprocessor`` per
+        multiprocessor where the target says how many it has, else ``enough_blocks``."""
+        multiprocessors = facts(target).get("multiprocessors")
+        if multiprocessors:
+            return self.blocks_per_multiprocessor * multiprocessors
+        return self.enough_blocks
+
+    def choose_parts(
+        self, sch: s_tir.Schedule, threads_o: int, regs_o: int, blocks: int | None = None
+    ) -> int:
         """The fewest parts (a power of two dividing the input channels per group, at most
-        ``max_parts``, each of at least ``min_part_channels``) that give ``enough_blocks``."""
+        ``max_parts``, each of at least ``min_part_channels``) that give ``blocks`` thread
+        blocks (default ``enough_blocks``)."""
         conv = sch.get(sch.get_sblock("conv"))
         weight_in = int(conv.iter_vars[3].dom.extent)
         tiles, parts = self.tiles(sch, threads_o, regs_o), 1
         while (
-            tiles * parts < self.enough_blocks
+            tiles * parts < (blocks or self.enough_blocks)
             and parts * 2 <= self.max_parts
             and weight_in % (parts * 2) == 0
             and weight_in // (parts * 2) >= self.min_part_channels
@@ -249,15 +263,16 @@ class SplitReductionCUDA(OnePassCUDA):
 
     def split_parts(self, func: tirx.PrimFunc, target: Target) -> int:
         """The parts this rule splits ``func``'s reduction into; 1 where it does not apply."""
-        return self._plan(s_tir.Schedule(func), self.budget(target))[0]
+        return self._plan(s_tir.Schedule(func), target)[0]
 
-    def _plan(self, sch: s_tir.Schedule, budget: int) -> tuple[int, int, int]:
+    def _plan(self, sch: s_tir.Schedule, target: Target) -> tuple[int, int, int]:
         """(parts, threads, registers along the output channels) for the unscheduled PrimFunc
         in ``sch``; 1 part where the rule does not apply."""
         if not is_deform_conv(sch):
             return 1, 0, 0
-        threads_o, regs_o = self.out_tile(sch, budget)
-        parts = self.parts or self.choose_parts(sch, threads_o, regs_o)
+        threads_o, regs_o = self.out_tile(sch, self.budget(target))
+        blocks = self.blocks_wanted(target)
+        parts = self.parts or self.choose_parts(sch, threads_o, regs_o, blocks)
         _, _, _, rc, _ = sch.get_loops(sch.get_sblock("conv"))
         if parts <= 1 or int(sch.get(rc).extent) % parts:
             parts = 1
@@ -268,7 +283,7 @@ class SplitReductionCUDA(OnePassCUDA):
     ) -> s_tir.Schedule | None:
         sch = s_tir.Schedule(func)
         budget = self.budget(target)
-        parts, threads_o, regs_o = self._plan(sch, budget)
+        parts, threads_o, regs_o = self._plan(sch, target)
         if tunable and is_deform_conv(sch):
             weight_in = int(sch.get(sch.get_loops(sch.get_sblock("conv"))[3]).extent)
             candidates = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -67,25 +68,34 @@ def test_layers_in_model_time_every_dcn_layer():
     assert all(r.in_model_ms > 0 and r.after_model_ms > 0 and r.alone_ms > 0 for r in rows)
 
 
-def test_bench_model_command(tmp_path, capsys):
+def test_bench_model_command(tmp_path):
     argv = ["bench-model", "--size", "32", "--runs", "1", "--no-compile", "--no-peers"]
     assert main([*argv, "--out", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
+    data = json.loads((tmp_path / "bench-model.json").read_text())
+    models = {r["the whole model"]: r for r in data["model"]}
     for row in ("torch + torchvision", "torch + tvm_deform", "torch + dense conv2d in place"):
-        assert f"| {row} |" in out
+        assert float(models[row]["median ms"]) > 0
+    assert models["torch + tvm_deform"]["vs torch + torchvision"].endswith("x")
+    assert len(data["layers"]) == 13
     assert (tmp_path / "bench-model.md").exists()
 
 
-def test_bench_model_command_profiles_the_models_it_compiled(capsys, monkeypatch):
+def test_bench_model_command_profiles_the_models_it_compiled(tmp_path, monkeypatch):
     compiles = []
     compile_model = bench_model._compiled
     monkeypatch.setattr(
         bench_model, "_compiled", lambda *a: compiles.append(1) or compile_model(*a)
     )
-    assert main(["bench-model", "--size", "32", "--runs", "1", "--no-peers"]) == 0
-    out = capsys.readouterr().out
-    assert "| torch + dense conv2d in place, offset convs kept, torch.compile |" in out
-    assert "| dense conv2d there, compiled ms | ours (compiled) / dense |" in out
+    argv = ["bench-model", "--size", "32", "--runs", "1", "--no-peers", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "bench-model.json").read_text())
+    models = {r["the whole model"] for r in data["model"]}
+    assert "torch + dense conv2d in place, offset convs kept, torch.compile" in models
+    layer = data["layers"][0]
+    assert layer["dense conv2d there, compiled ms"] > 0
+    assert layer["ours (compiled) / dense"] == pytest.approx(
+        layer["in the compiled model ms"] / layer["dense conv2d there, compiled ms"]
+    )
     assert len(compiles) == len(bench_model.IMPLEMENTATIONS)  # each model compiled once
 
 
@@ -98,10 +108,12 @@ def test_dcn_cost_table_subtracts_each_runtimes_dense_row():
         bench_model.ModelRow("onnxruntime" + bench_model.DENSE, timing(70.5), None),
         bench_model.ModelRow("openvino (whole model)", None, None, "failed: ..."),
     ]
-    table = bench_model.dcn_cost_table(rows)
-    assert "| torch, tvm_deform | 120.0 | 100.0 | 20.0 |" in table
-    assert "| onnxruntime | 90.0 | 70.5 | 19.5 |" in table
-    assert "openvino" not in table and "torch.compile" not in table  # rows it does not have
+    costs = {r["runtime"]: r for r in bench_model.dcn_costs(rows)}
+    assert set(costs) == {"torch, tvm_deform", "onnxruntime"}  # the runtimes with both rows
+    assert costs["torch, tvm_deform"]["with DCN ms"] == 120.0
+    assert costs["torch, tvm_deform"]["what the DCN layers add ms"] == pytest.approx(20.0)
+    assert costs["onnxruntime"]["dense conv2d in place ms"] == 70.5
+    assert costs["onnxruntime"]["what the DCN layers add ms"] == pytest.approx(19.5)
 
 
 @pytest.mark.skipif(not importlib.util.find_spec("onnxruntime"), reason="needs onnxruntime")
@@ -126,23 +138,25 @@ def test_layer_table_compares_each_layer_with_openvinos():
         bench_model.LayerRow("layer2.1.conv2", shape, 3.0, 2.5, 2.0),
         bench_model.LayerRow("layer2.2.conv2", shape, 3.0, 2.5, 2.0),
     ]
-    table = bench_model.layer_table(rows, openvino_ms={"layer2.1.conv2": 2.0})
-    assert "OpenVINO's, in its model ms | ours (eager) / OpenVINO's |" in table.splitlines()[0]
-    assert table.splitlines()[2].endswith("| 2.00 | 1.50 |")
-    assert table.splitlines()[3].endswith("|  |  |")  # a layer OpenVINO did not report
-    assert "OpenVINO" not in bench_model.layer_table(rows)
+    records = bench_model.layer_records(rows, openvino_ms={"layer2.1.conv2": 2.0})
+    assert records[0]["OpenVINO's, in its model ms"] == 2.0
+    assert records[0]["ours (eager) / OpenVINO's"] == pytest.approx(1.5)
+    assert records[1]["ours (eager) / OpenVINO's"] is None  # a layer OpenVINO did not report
+    assert not any("OpenVINO" in column for column in bench_model.layer_records(rows)[0])
     compiled = {"layer2.1.conv2": 2.4, "layer2.2.conv2": 2.5}
-    table = bench_model.layer_table(rows, compiled, {"layer2.1.conv2": 2.0})
-    assert "| in the compiled model ms |" in table and "ours (compiled)" in table
-    assert table.splitlines()[2].endswith("| 2.40 | 2.00 | 1.20 |")
-    assert all(line.count("|") == table.splitlines()[0].count("|") for line in table.splitlines())
-    table = bench_model.layer_table(
+    records = bench_model.layer_records(rows, compiled, {"layer2.1.conv2": 2.0})
+    assert records[0]["in the compiled model ms"] == 2.4
+    assert records[0]["ours (compiled) / OpenVINO's"] == pytest.approx(1.2)
+    records = bench_model.layer_records(
         rows, compiled, {"layer2.1.conv2": 2.0}, {"layer2.2.conv2": 2.0}
     )
-    assert "| dense conv2d there, compiled ms | ours (compiled) / dense |" in table
-    assert table.splitlines()[2].endswith("| 2.40 |  |  | 2.00 | 1.20 |")
-    assert table.splitlines()[3].endswith("| 2.50 | 2.00 | 1.25 |  |  |")
-    assert all(line.count("|") == table.splitlines()[0].count("|") for line in table.splitlines())
+    assert records[0]["dense conv2d there, compiled ms"] is None
+    assert records[0]["ours (compiled) / OpenVINO's"] == pytest.approx(1.2)
+    assert records[1]["ours (compiled) / dense"] == pytest.approx(1.25)
+    assert records[1]["OpenVINO's, in its model ms"] is None
+    # The Markdown has one cell per column on every line.
+    lines = bench_model.markdown(records).splitlines()
+    assert len({line.count("|") for line in lines}) == 1 and len(lines) == 4
 
 
 @pytest.mark.parametrize("implementation", ["tvm_deform", "dense"])

@@ -509,3 +509,15 @@ def test_cuda_kernel_workspaces_come_from_torchs_allocator(tmp_path):
     ctypes.CDLL(str(path))
     assert workspace.attach(path)
     assert workspace.workspace_functions(path) == (allocator.alloc, allocator.free)
+
+
+def test_the_split_is_sized_by_the_gpus_multiprocessors():
+    # The multiprocessor count is a fact of the target (it enters the workload key): a small
+    # GPU needs fewer thread blocks, so its reductions are split into fewer parts.
+    rule = SplitReductionCUDA()
+    func = definition.forward(SUITE["r50dcn320_c5_512x10x10"])
+    small, large = targets.cuda_target("sm_90", 8), targets.cuda_target("sm_90", 132)
+    assert rule.blocks_wanted(small) == 32 and rule.blocks_wanted(large) == 528
+    assert rule.blocks_wanted(targets.cuda_target("sm_90")) == rule.enough_blocks
+    assert rule.split_parts(func, small) == 1 < rule.split_parts(func, large)
+    assert targets.workload_key(SUITE["seed"], small) != targets.workload_key(SUITE["seed"], large)

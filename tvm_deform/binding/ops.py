@@ -71,11 +71,22 @@ def _is_channels_last(input: torch.Tensor) -> bool:
 
 def device_target(device: torch.device) -> Target:
     """The target whose kernels run on ``device``: this machine's CPU, or the CUDA target of
-    the GPU's compute capability (``sm_90`` on an H100 or H200)."""
+    the GPU (its compute capability, ``sm_90`` on an H100 or H200, and its multiprocessor count
+    and L2 cache size)."""
     if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return targets.cuda_target(f"sm_{major}{minor}")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_device_target(index)
     return targets.host_target()
+
+
+@functools.cache
+def _cuda_device_target(index: int) -> Target:
+    properties = torch.cuda.get_device_properties(index)
+    return targets.cuda_target(
+        f"sm_{properties.major}{properties.minor}",
+        multiprocessors=properties.multi_processor_count,
+        l2_cache_bytes=getattr(properties, "L2_cache_size", None),
+    )
 
 
 _TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}

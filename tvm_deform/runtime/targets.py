@@ -13,6 +13,9 @@ from tvm.target import Target, codegen
 
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import hardware
+from tvm_deform.schedules.common import facts
+
+__all__ = ["facts", "with_facts"]
 
 
 @functools.cache
@@ -37,7 +40,18 @@ def host_target() -> Target:
     if cpu.machine == "x86_64" and cpu.isa != "avx512":
         if codegen.target_has_features("avx512f", Target(attrs)):
             attrs["mattr"] = ["-avx512f"]
-    return Target({**attrs, "num-cores": cpu.cores})
+    caches = {level.lower(): size for level, size in cpu.caches.items()}
+    return Target({**attrs, "num-cores": cpu.cores, "keys": with_facts(["cpu"], caches)})
+
+
+def with_facts(keys: list[str], values: dict[str, int]) -> list[str]:
+    """``keys`` with the hardware facts ``values`` added as ``name=value`` entries.
+
+    TVM's targets have no attribute for a CPU's cache sizes or a GPU's multiprocessor count,
+    which the schedules may size their tiles and grids by: a target carries them as entries of
+    its ``keys``, so that they enter :func:`workload_key` and the kernel cache's digest. Read
+    them back with :func:`facts`."""
+    return [*keys, *(f"{name}={value}" for name, value in sorted(values.items()))]
 
 
 def cpu_target(cpu: hardware.CPU) -> Target:
@@ -45,7 +59,15 @@ def cpu_target(cpu: hardware.CPU) -> Target:
     cross-compiling): its architecture's generic model at the CPU's vector ISA."""
     mcpu, mattr = hardware.generic_llvm_cpu(cpu)
     attrs = {"kind": "llvm", "mcpu": mcpu, "mtriple": hardware.triple(cpu.machine, "Linux")}
-    return Target({**attrs, **({"mattr": mattr} if mattr else {}), "num-cores": cpu.cores})
+    caches = {level.lower(): size for level, size in cpu.caches.items()}
+    return Target(
+        {
+            **attrs,
+            **({"mattr": mattr} if mattr else {}),
+            "num-cores": cpu.cores,
+            "keys": with_facts(["cpu"], caches),
+        }
+    )
 
 
 #: what every CUDA target of ours declares besides its ``arch``: the limits that hold on every
@@ -57,12 +79,19 @@ CUDA_LIMITS = {
 }
 
 
-def cuda_target(arch: str) -> Target:
+def cuda_target(
+    arch: str, multiprocessors: int | None = None, l2_cache_bytes: int | None = None
+) -> Target:
     """The CUDA target of an NVIDIA GPU architecture such as ``sm_90``, with this machine's
-    LLVM target as its host."""
+    LLVM target as its host; a GPU's multiprocessor count and L2 cache size where known (a
+    kernel built for the architecture alone runs on every GPU of it)."""
     if not (arch.startswith("sm_") and arch[3:].rstrip("a").isdigit()):
         raise ValueError(f"a CUDA architecture looks like 'sm_90', got {arch!r}")
-    return Target({"kind": "cuda", "arch": arch, **CUDA_LIMITS, "host": host_target()})
+    attrs = {"kind": "cuda", "arch": arch, **CUDA_LIMITS, "host": host_target()}
+    if l2_cache_bytes:
+        attrs["l2_cache_size_bytes"] = l2_cache_bytes
+    known = {"multiprocessors": multiprocessors} if multiprocessors else {}
+    return Target({**attrs, "keys": with_facts(["cuda", "gpu"], known)})
 
 
 def hardware_key(target: Target) -> str:
@@ -81,7 +110,8 @@ def workload_key(shape: ConvShape, target: Target) -> str:
     """A stable text naming one compiled kernel: every shape parameter, the dtype and target."""
     fields = dataclasses.asdict(shape)
     fields["target"] = json.loads(json.dumps(dict(target.attrs), default=str)) | {
-        "kind": target.kind.name
+        "kind": target.kind.name,
+        "keys": [str(key) for key in target.keys],
     }
     return json.dumps(fields, sort_keys=True)
 

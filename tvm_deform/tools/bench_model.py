@@ -377,28 +377,53 @@ def layers_in_model(size: int = 320, batch: int = 1, repeats: int = 10) -> list[
     return rows
 
 
-def model_table(rows: list[ModelRow]) -> str:
+def markdown(records: list[dict[str, object]], digits: int = 2) -> str:
+    """``records`` (dicts with the same keys, the columns) as a Markdown table: floats with
+    ``digits`` decimals, None as an empty cell."""
+    if not records:
+        return ""
+    columns = list(records[0])
+
+    def cell(value: object) -> str:
+        if value is None:
+            return ""
+        return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r[c]) for c in columns) + " |" for r in records]
+    return "\n".join(lines)
+
+
+def model_records(rows: list[ModelRow]) -> list[dict[str, object]]:
+    """Per whole-model row: its median and spread, its speed-up over torch + torchvision, its
+    ratio to the dense model, its error against torch + torchvision, or why it has no time."""
     base = {r.implementation: r for r in rows}
     tv = base.get("torch + torchvision")
     dense = base.get("torch + dense conv2d in place")
-    lines = [
-        "| the whole model | median ms | p20-p80 | vs torch + torchvision | vs dense conv2d "
-        "| rel. error vs torchvision |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
+    records = []
     for row in rows:
-        if row.timing is None:
-            lines.append(f"| {row.implementation} | {row.note} | | | | |")
-            continue
         t = row.timing
-        speedup = f"{tv.timing.median_ms / t.median_ms:.2f}x" if tv and tv.timing else ""
-        ratio = f"{t.median_ms / dense.timing.median_ms:.2f}x" if dense and dense.timing else ""
-        error = "" if row.error is None else f"{row.error:.1e}"
-        lines.append(
-            f"| {row.implementation} | {t.median_ms:.1f} | {t.p20_ms:.1f}-{t.p80_ms:.1f} "
-            f"| {speedup} | {ratio} | {error} |"
+        records.append(
+            {
+                "the whole model": row.implementation,
+                "median ms": row.note if t is None else f"{t.median_ms:.1f}",
+                "p20-p80": None if t is None else f"{t.p20_ms:.1f}-{t.p80_ms:.1f}",
+                "vs torch + torchvision": (
+                    f"{tv.timing.median_ms / t.median_ms:.2f}x" if t and tv and tv.timing else None
+                ),
+                "vs dense conv2d": (
+                    f"{t.median_ms / dense.timing.median_ms:.2f}x"
+                    if t and dense and dense.timing
+                    else None
+                ),
+                "rel. error vs torchvision": None if row.error is None else f"{row.error:.1e}",
+            }
         )
-    return "\n".join(lines)
+    return records
+
+
+def model_table(rows: list[ModelRow]) -> str:
+    return markdown(model_records(rows))
 
 
 #: (row with the DCN layers, the same runtime's row with dense conv2d in place, what it is)
@@ -420,21 +445,66 @@ DCN_COST_PAIRS = (
 )
 
 
-def dcn_cost_table(rows: list[ModelRow]) -> str:
+def dcn_costs(rows: list[ModelRow]) -> list[dict[str, object]]:
     """What the DCN layers (each with its offset conv and sigmoid) add to each runtime: its
     time with them minus its time with a dense conv2d in their place."""
     times = {r.implementation: r.timing.median_ms for r in rows if r.timing is not None}
-    lines = [
-        "| runtime | with DCN ms | dense conv2d in place ms | what the DCN layers add ms |",
-        "|---|---:|---:|---:|",
+    return [
+        {
+            "runtime": name,
+            "with DCN ms": times[with_dcn],
+            "dense conv2d in place ms": times[dense],
+            "what the DCN layers add ms": times[with_dcn] - times[dense],
+        }
+        for with_dcn, dense, name in DCN_COST_PAIRS
+        if with_dcn in times and dense in times
     ]
-    for with_dcn, dense, name in DCN_COST_PAIRS:
-        if with_dcn in times and dense in times:
-            lines.append(
-                f"| {name} | {times[with_dcn]:.1f} | {times[dense]:.1f} "
-                f"| {times[with_dcn] - times[dense]:.1f} |"
-            )
-    return "\n".join(lines)
+
+
+def dcn_cost_table(rows: list[ModelRow]) -> str:
+    return markdown(dcn_costs(rows), digits=1)
+
+
+def layer_records(
+    rows: list[LayerRow],
+    compiled_ms: dict[str, float] | None = None,
+    openvino_ms: dict[str, float] | None = None,
+    dense_ms: dict[str, float] | None = None,
+) -> list[dict[str, object]]:
+    """Per DCN layer of the tvm_deform model: its time inside the model (eager) against alone,
+    right after each forward and in a loop of its own. ``compiled_ms``
+    (:func:`compiled_layer_times`) adds our op's time inside the compiled model; ``dense_ms``
+    (the same, ``"dense"``) the dense conv at the layer's place in the compiled dense model,
+    and ours against it; ``openvino_ms`` (:func:`openvino_layer_times`) OpenVINO's DCN kernel
+    inside its own model, and ours against it (compiled when given, else eager). A time that
+    was not measured is None."""
+    ours_vs = "compiled" if compiled_ms is not None else "eager"
+    records = []
+    for r in rows:
+        s = r.shape
+        record: dict[str, object] = {
+            "DCN layer": r.name,
+            "input": f"{s.in_channels}x{s.height}x{s.width} stride {s.stride_h}",
+            "out": f"{s.out_channels}x{s.out_h}x{s.out_w}",
+            "in the model ms": r.in_model_ms,
+            "alone, after each forward ms": r.after_model_ms,
+            "in the model / after": r.in_model_ms / r.after_model_ms,
+            "alone, in a loop ms": r.alone_ms,
+            "in the model / in a loop": r.in_model_ms / r.alone_ms,
+        }
+        ours: float | None = r.in_model_ms
+        if compiled_ms is not None:
+            ours = compiled_ms.get(r.name)
+            record["in the compiled model ms"] = ours
+        for peer, label in ((dense_ms, "dense conv2d there, compiled"), (openvino_ms, None)):
+            if peer is None:
+                continue
+            theirs = peer.get(r.name)
+            name, short = (label, "dense") if label else ("OpenVINO's, in its model", "OpenVINO's")
+            record[f"{name} ms"] = theirs
+            record[f"ours ({ours_vs}) / {short}"] = ours / theirs if theirs and ours else None
+        records.append(record)
+    return records
 
 
 def layer_table(
@@ -443,42 +513,8 @@ def layer_table(
     openvino_ms: dict[str, float] | None = None,
     dense_ms: dict[str, float] | None = None,
 ) -> str:
-    """The per-layer table. ``compiled_ms`` (:func:`compiled_layer_times`) adds our op's time
-    inside the compiled model; ``dense_ms`` (the same, ``"dense"``) the dense conv at the
-    layer's place in the compiled dense model, and ours against it; ``openvino_ms``
-    (:func:`openvino_layer_times`) OpenVINO's DCN kernel inside its own model, and ours against
-    it (compiled when given, else eager)."""
-    ours_vs = "compiled" if compiled_ms is not None else "eager"
-    extra = ""
-    if compiled_ms is not None:
-        extra += " in the compiled model ms |"
-    if dense_ms is not None:
-        extra += f" dense conv2d there, compiled ms | ours ({ours_vs}) / dense |"
-    if openvino_ms is not None:
-        extra += f" OpenVINO's, in its model ms | ours ({ours_vs}) / OpenVINO's |"
-    lines = [
-        "| DCN layer | input | out | in the model ms | alone, after each forward ms | ratio "
-        "| alone, in a loop ms | ratio |" + extra,
-        "|---|---|---|---:|---:|---:|---:|---:|" + "---:|" * extra.count("|"),
-    ]
-    for r in rows:
-        s = r.shape
-        line = (
-            f"| {r.name} | {s.in_channels}x{s.height}x{s.width} stride {s.stride_h} "
-            f"| {s.out_channels}x{s.out_h}x{s.out_w} | {r.in_model_ms:.2f} "
-            f"| {r.after_model_ms:.2f} | {r.in_model_ms / r.after_model_ms:.2f} "
-            f"| {r.alone_ms:.2f} | {r.in_model_ms / r.alone_ms:.2f} |"
-        )
-        ours = r.in_model_ms
-        if compiled_ms is not None:
-            ours = compiled_ms.get(r.name)
-            line += f" {ours:.2f} |" if ours else "  |"
-        for peer in (dense_ms, openvino_ms):
-            if peer is not None:
-                theirs = peer.get(r.name)
-                line += f" {theirs:.2f} | {ours / theirs:.2f} |" if theirs and ours else "  |  |"
-        lines.append(line)
-    return "\n".join(lines)
+    """:func:`layer_records` as a Markdown table."""
+    return markdown(layer_records(rows, compiled_ms, openvino_ms, dense_ms))
 
 
 def compiled_layer_times(

@@ -168,15 +168,22 @@ def run_bench_model(args: argparse.Namespace) -> int:
             openvino_ms = bench_model.openvino_layer_times(args.size, args.batch)
         except Exception as error:  # noqa: BLE001 - the table goes without OpenVINO's columns
             print(f"OpenVINO's per-layer times failed: {type(error).__name__}: {error}")
-    layers = bench_model.layer_table(
+    layer_records = bench_model.layer_records(
         bench_model.layers_in_model(args.size, args.batch), compiled_ms, openvino_ms, dense_ms
     )
+    layers = bench_model.markdown(layer_records)
     print(layers)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench-model.md").write_text("\n\n".join([table, costs, layers]) + "\n")
-        print(f"wrote {out / 'bench-model.md'}")
+        data = {
+            "model": bench_model.model_records(rows),
+            "dcn_costs": bench_model.dcn_costs(rows),
+            "layers": layer_records,
+        }
+        (out / "bench-model.json").write_text(json.dumps(data, indent=1) + "\n")
+        print(f"wrote {out / 'bench-model.md'} and {out / 'bench-model.json'}")
     failed = [r for r in rows if r.error is not None and r.error > 1e-4]
     for row in failed:
         print(f"{row.implementation}: relative error {row.error:.1e} against torch + torchvision")
