@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The second device call of a GPU session (README "Running on a GPU"), run in the repository
+# The second device call of a GPU session (CONTRIBUTING.md, "Running on a GPU"), run in the repository
 # root on the GPU machine: join the wheel parts (the first one stashed by the first call, in
 # .gpu-stash/ and in /tmp/gpu-stash/, the second carried now in .gpu/), install TVM and this
 # package into /tmp/site without network, then build, check, time and tune with

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first device call of a GPU session (README "Running on a GPU"), run in the repository
+# The first device call of a GPU session (CONTRIBUTING.md, "Running on a GPU"), run in the repository
 # root on the GPU machine: keep the wheel part this call carried in .gpu/ for the second call,
 # in .gpu-stash/ (an ignored folder of the checkout there) and in /tmp/gpu-stash/, then print
 # what the machine has that the second call relies on.

@@ -3,8 +3,8 @@
 # the machine's Python 3.12, and xgboost for MetaSchedule's cost model), split them into two
 # parts of at most 54 MiB (one per device call), and check that each part plus the repository's
 # working tree (what every device call carries) stays under the per-call limit with margin. Run
-# here, in the repository root; the parts land in .gpu/ (git-ignored). See README "Running on
-# a GPU".
+# here, in the repository root; the parts land in .gpu/ (git-ignored). See CONTRIBUTING.md,
+# "Running on a GPU".
 #   bash lab/pack_gpu_wheels.sh [PYTHON_VERSION [XGBOOST_VERSION]]
 # (defaults 3.12, the GPU machine's Python, and xgboost-cpu 3.4.1, which needs 3.12; the
 # rehearsal, lab/rehearse_gpu_session.sh, packs for this machine's Python and xgboost instead)

@@ -290,27 +290,9 @@ def test_repository_paths_exist():
 
 
 def command_parser() -> argparse.ArgumentParser:
-    from tvm_deform.tools import cli
+    from tvm_deform.tools.cli import build_parser
 
-    if hasattr(cli, "build_parser"):
-        return cli.build_parser()
-
-    # Older cli modules build the parser inside main(): take it from there, stopping before
-    # main() runs any command.
-    class Stop(Exception):
-        pass
-
-    captured = {}
-
-    def capture(parser, *args, **kwargs):
-        captured["parser"] = parser
-        raise Stop
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(argparse.ArgumentParser, "parse_args", capture)
-        with pytest.raises(Stop):
-            cli.main([])
-    return captured["parser"]
+    return build_parser()
 
 
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

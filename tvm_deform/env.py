@@ -44,6 +44,26 @@ def cache_dir() -> Path:
     return Path(base) / "tvm_deform"
 
 
+#: the default of ``TVM_DEFORM_CACHE_LIMIT``
+CACHE_LIMIT_DEFAULT = 1 << 30
+
+
+def cache_limit_bytes() -> int:
+    """``TVM_DEFORM_CACHE_LIMIT``: the most bytes the cached kernels may take (least recently
+    used ones are removed beyond it), in bytes or with a K, M or G suffix. Default 1G."""
+    value = os.environ.get("TVM_DEFORM_CACHE_LIMIT", "").strip().upper().removesuffix("B")
+    if not value:
+        return CACHE_LIMIT_DEFAULT
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(value[-1], 1)
+    number = value[:-1] if scale != 1 else value
+    try:
+        return max(0, int(float(number) * scale))
+    except ValueError:
+        raise ValueError(
+            f"TVM_DEFORM_CACHE_LIMIT must be a size such as 500M or 2G, got {value!r}"
+        ) from None
+
+
 def tuned_enabled() -> bool:
     """``TVM_DEFORM_TUNED=0`` ignores every tuning log: default schedules only (comparisons)."""
     return _flag("TVM_DEFORM_TUNED", True)
@@ -86,6 +106,7 @@ def user_logs_explicit() -> bool:
 VARIABLES = {
     "TVM_DEFORM_CACHE": "0 turns the on-disk kernel cache off",
     "TVM_DEFORM_CACHE_DIR": "directory of the on-disk kernel cache",
+    "TVM_DEFORM_CACHE_LIMIT": "most the cached kernels may take (e.g. 500M, 2G; default 1G)",
     "TVM_DEFORM_LAUNCHER": "0 runs CPU kernels on TVM's thread pool, not torch's threads",
     "TVM_DEFORM_MEASURE": "0: no timing of other machines' records here (default schedule)",
     "TVM_DEFORM_LOGS": "tuning-log directory: `tune` writes there, lookups search it first",

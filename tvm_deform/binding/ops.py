@@ -1,5 +1,5 @@
 """The torch binding: the ``tvm_deform::deform_conv2d`` custom op and its autograd, the
-``tvm_deform::deform_conv2d_backward`` custom op (CPU), device dispatch, and the public
+``tvm_deform::deform_conv2d_backward`` custom op, device dispatch (CPU and CUDA), and the public
 function."""
 
 from __future__ import annotations

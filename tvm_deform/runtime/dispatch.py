@@ -35,7 +35,7 @@ from tvm.target import Target
 
 from tvm_deform import __version__, env
 from tvm_deform.ir.definition import ConvShape
-from tvm_deform.runtime import kernels, records, targets
+from tvm_deform.runtime import diskcache, kernels, records, targets
 from tvm_deform.runtime.inputs import random_inputs
 
 #: total seconds of timing per shape and op, shared by the candidates
@@ -50,10 +50,12 @@ MIN_RUNS = 3
 _lock = threading.Lock()
 
 
-def decisions_path(target: Target) -> Path:
-    return (
-        env.cache_dir() / "decisions" / (targets.hardware_key(target).replace("/", "_") + ".json")
-    )
+def decisions_path(target: Target) -> Path | None:
+    """The file of this machine's decisions in the kernel cache; None without a usable cache."""
+    folder = diskcache.subdirectory("decisions")
+    if folder is None:
+        return None
+    return folder / (targets.hardware_key(target).replace("/", "_") + ".json")
 
 
 def _digest(shape: ConvShape, target: Target, op: str, options: dict) -> str:
@@ -71,16 +73,20 @@ def _digest(shape: ConvShape, target: Target, op: str, options: dict) -> str:
 
 
 def read_decisions(target: Target) -> dict:
+    path = decisions_path(target)
+    if path is None or not diskcache.trusted(path):
+        return {}
     try:
-        return json.loads(decisions_path(target).read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
 
 
 def _write_decision(target: Target, digest: str, entry: dict) -> None:
     path = decisions_path(target)
+    if path is None:
+        return
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         decisions = read_decisions(target) | {digest: entry}
         handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(handle, "w") as file:

@@ -15,10 +15,11 @@ import functools
 import hashlib
 import importlib
 import inspect
-import os
+import logging
 import shutil
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +34,7 @@ from tvm.target import Target
 from tvm_deform import __version__, env, schedules
 from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape
-from tvm_deform.runtime import launcher, records, workspace
+from tvm_deform.runtime import diskcache, launcher, records, workspace
 from tvm_deform.runtime.targets import (
     hardware_key,
     host_target,
@@ -41,6 +42,10 @@ from tvm_deform.runtime.targets import (
 )
 
 Kernel = Callable[..., None]
+
+#: compiles are logged at INFO (the ``tvm-deform`` commands show them, as progress): a first
+#: call of a new layer takes seconds
+log = logging.getLogger(__name__)
 
 
 class BackwardKernels(NamedTuple):
@@ -198,28 +203,23 @@ def compile_backward(
 
 
 def _load_cached(path: Path) -> tvm.runtime.Module | None:
-    if not path.exists():
+    """The library at ``path`` if the cache wrote it whole (see :mod:`.diskcache`), loaded."""
+    if not diskcache.verified(path):
         return None
     try:
-        return tvm.runtime.load_module(str(path))
+        module = tvm.runtime.load_module(str(path))
     except Exception as error:  # noqa: BLE001 - any unreadable entry is rebuilt
         warnings.warn(f"rebuilding corrupt kernel cache entry {path}: {error}", stacklevel=3)
-        path.unlink(missing_ok=True)
+        diskcache.remove(path)
         return None
+    diskcache.touch(path)
+    return module
 
 
 def _store_cached(module: tvm.runtime.Module, path: Path) -> None:
-    """Write ``module`` to ``path`` atomically: concurrent writers each rename a whole file."""
+    """Write ``module`` to ``path`` atomically, sealed with its digest."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
-        os.close(handle)
-        try:
-            module.export_library(temporary)
-            os.replace(temporary, path)
-        finally:
-            if os.path.exists(temporary):
-                os.unlink(temporary)
+        diskcache.store(path, module.export_library)
     except Exception as error:  # noqa: BLE001 - a cache that cannot be written is not fatal
         warnings.warn(f"could not write kernel cache entry {path}: {error}", stacklevel=3)
 
@@ -277,6 +277,7 @@ def load_kernel(
     module = _load_module(
         cache_path(shape, target, schedule, op=op),
         lambda: compile_kernel(shape, target, record, layout),
+        _describe(shape, target, op, schedule),
     )
     return module["deform_conv2d"]
 
@@ -287,7 +288,9 @@ def load_scheduled(
     """The forward kernel of ``shape`` with the schedule ``schedule()`` makes, through the disk
     cache under ``name`` (benchmarks use it to time a rule that dispatch would not pick)."""
     module = _load_module(
-        cache_path(shape, target, name), lambda: compile_schedule(schedule(), target)
+        cache_path(shape, target, name),
+        lambda: compile_schedule(schedule(), target),
+        _describe(shape, target, "forward", name),
     )
     return module["deform_conv2d"]
 
@@ -326,6 +329,7 @@ def load_backward(
     module = _load_module(
         cache_path(shape, target, schedule, op=op),
         lambda: compile_backward(shape, target, record, gradients),
+        _describe(shape, target, op, schedule),
     )
     scatter = module["deform_conv2d_grad_input"] if gradients.input else None
     return BackwardKernels(module["deform_conv2d_backward"], scatter)
@@ -336,21 +340,34 @@ def load_backward(
 _tvm_pool_in_use = False
 
 
+def _describe(shape: ConvShape, target: Target, op: str, schedule: str) -> str:
+    """A kernel in words, for the progress messages."""
+    s = shape
+    layer = (
+        f"{s.batch}x{s.in_channels}x{s.height}x{s.width} -> {s.out_channels}, "
+        f"{s.kernel_h}x{s.kernel_w} kernel, {s.dtype}"
+    )
+    where = hardware_key(target)
+    how = "" if schedule == "default" else f", schedule {schedule[:24]}"
+    return f"the {op} kernel of {layer} for {where}{how}"
+
+
 def _load_module(
-    path: Path, compile_module: Callable[[], tvm.runtime.Module]
+    path: Path, compile_module: Callable[[], tvm.runtime.Module], what: str = ""
 ) -> tvm.runtime.Module:
     """The kernel library at ``path`` in the disk cache, else ``compile_module()`` exported there
     (or to a private file when the cache is off or cannot be written), loaded from its file with
     its parallel loops attached to torch's threads."""
     global _tvm_pool_in_use
-    module = _load_cached(path) if env.cache_enabled() else None
-    if module is not None:
-        attached = _attach(path, module)
+    if diskcache.root() is None:
+        module, attached = _load_private(_compile(compile_module, what or path.name), path.name)
     else:
-        built = compile_module()
-        if env.cache_enabled():
-            _store_cached(built, path)
+        with diskcache.locked(path):  # one process compiles, the others wait and load it
             module = _load_cached(path)
+            if module is None:
+                built = _compile(compile_module, what or path.name)
+                _store_cached(built, path)
+                module = _load_cached(path)
         if module is not None:
             attached = _attach(path, module)
         else:
@@ -358,6 +375,13 @@ def _load_module(
     if not attached:
         _tvm_pool_in_use = True
     return module
+
+
+def _compile(compile_module: Callable[[], tvm.runtime.Module], what: str) -> tvm.runtime.Module:
+    began = time.perf_counter()
+    built = compile_module()
+    log.info("compiled %s in %.1f s", what, time.perf_counter() - began)
+    return built
 
 
 def _attach(path: Path, module: tvm.runtime.Module) -> bool:

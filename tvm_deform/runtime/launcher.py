@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from tvm_deform import env
+from tvm_deform.runtime import diskcache
 
 SOURCE = Path(__file__).with_name("launcher.cc")
 
@@ -150,9 +151,9 @@ def build_library(source_path: Path, commands: Callable[[Path], list[list[str]]]
     key = "\n".join((torch.__version__, torch_dir, os.environ.get("CXX", "")))
     digest = hashlib.sha256(source + key.encode()).hexdigest()[:16]
     # Beside the kernels, in a folder of its own (the kernel files are the cache's top level).
-    directory = env.cache_dir() / "launcher" if env.cache_enabled() else Path(tempfile.mkdtemp())
+    directory = diskcache.subdirectory("launcher") or Path(tempfile.mkdtemp())
     path = directory / f"{source_path.stem}-{digest}.so"
-    if path.exists():
+    if diskcache.verified(path):
         return path
     directory.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
@@ -163,6 +164,7 @@ def build_library(source_path: Path, commands: Callable[[Path], list[list[str]]]
             if result.returncode != 0:
                 raise RuntimeError(f"building {source_path.name} failed:\n{result.stderr[-2000:]}")
         os.replace(temporary, path)
+        diskcache.seal(path)
     finally:
         for leftover in (temporary, str(Path(temporary).with_suffix(".o"))):
             if os.path.exists(leftover):

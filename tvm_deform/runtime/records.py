@@ -38,6 +38,7 @@ from tvm.target import Target
 from tvm_deform import env
 from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape
+from tvm_deform.runtime import diskcache
 
 #: the database (beside the design spaces') that holds the default schedule's own measurement,
 #: taken at tune time with the same builder and runner: a tuned record is used only if it beat it
@@ -128,6 +129,8 @@ def open_database(directory: Path) -> ms.database.JSONDatabase:
     tuning_bytes = tuning.read_bytes() if tuning.exists() else b""
     digest = hashlib.sha256(packed + b"\0" + tuning_bytes).hexdigest()[:20]
     copy = _unpacked_root() / digest
+    if (copy / WORKLOADS).exists() and not diskcache.trusted(copy / WORKLOADS):
+        shutil.rmtree(copy, ignore_errors=True)  # not ours: unpacked again
     if not (copy / WORKLOADS).exists():
         staging = Path(tempfile.mkdtemp(dir=copy.parent, prefix=f".{digest}."))
         (staging / WORKLOADS).write_bytes(gzip.decompress(packed))
@@ -140,16 +143,10 @@ def open_database(directory: Path) -> ms.database.JSONDatabase:
 
 
 def _unpacked_root() -> Path:
-    """Where unpacked copies of packed databases go: the kernel cache's ``logs`` folder, or,
-    when the cache is off or cannot be written, a temporary folder removed at exit."""
-    if env.cache_enabled():
-        try:
-            root = env.cache_dir() / "logs"
-            root.mkdir(parents=True, exist_ok=True)
-            return root
-        except OSError:
-            pass
-    return _process_scratch()
+    """Where unpacked copies of packed databases go: the kernel cache's ``logs`` folder (see
+    :mod:`tvm_deform.runtime.diskcache`), or, when the cache is off or cannot be used, a
+    temporary folder removed at exit."""
+    return diskcache.subdirectory("logs") or _process_scratch()
 
 
 @functools.cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -581,6 +582,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="0.0.0.0", help="address to listen on")
     serve.add_argument("--port", type=int, default=9090, help="first port to try")
     serve.add_argument("--port-end", type=int, default=9199, help="last port to try")
+    cache = sub.add_parser("cache", help="show the kernel cache, or empty it (--clear)")
+    cache.add_argument("--clear", action="store_true", help="remove everything in it")
     logs = sub.add_parser("logs", help="tuning-log trees: merge")
     logs_sub = logs.add_subparsers(dest="logs_command", required=True)
     merge = logs_sub.add_parser("merge", help="merge log trees, keeping the best records")
@@ -589,8 +592,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_cache(args: argparse.Namespace) -> int:
+    from tvm_deform.runtime import diskcache
+
+    if args.clear:
+        freed = diskcache.clear()
+        print(f"removed {freed / 2**20:.1f} MiB from {env.cache_dir()}")
+    print(diskcache.describe())
+    return 0
+
+
+def _show_progress() -> None:
+    """The package's progress messages (kernel compiles, which take seconds) on stderr, apart
+    from the tables on stdout."""
+    logger = logging.getLogger("tvm_deform")
+    if not any(getattr(h, "tvm_deform_progress", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("  %(message)s"))
+        handler.tvm_deform_progress = True
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    _show_progress()
     args = parser.parse_args(argv)
     handlers = {
         "demo": run_demo,
@@ -605,6 +631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "build": run_build,
         "serve": run_serve,
         "logs": run_logs,
+        "cache": run_cache,
     }
     handler = handlers[args.command]
     return handler(args)
