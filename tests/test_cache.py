@@ -162,3 +162,47 @@ def test_the_cache_command_shows_and_clears(cache_dir, capsys):
     kernels.clear_memory_cache()
     check(SHAPES[0])  # and the op still runs, compiling again
     assert len(diskcache.entries()) == 1
+
+
+WARM_START = """
+import sys, time
+import torch
+from tvm_deform import deform_conv2d
+from tvm_deform.ir import definition
+from tvm_deform.runtime import records
+
+def forbidden(*args, **kwargs):
+    raise AssertionError("the warm path built a PrimFunc or opened a tuning database")
+
+if sys.argv[1] == "warm":
+    for name in ("forward", "backward", "grad_input"):
+        setattr(definition, name, forbidden)
+    records.open_database = forbidden
+torch.manual_seed(0)
+x = torch.rand(1, 8, 12, 12, requires_grad=True)
+offset = torch.rand(1, 18, 12, 12, requires_grad=True)
+weight = torch.rand(8, 8, 3, 3, requires_grad=True)
+mask = torch.rand(1, 9, 12, 12, requires_grad=True)
+begin = time.perf_counter()
+out = deform_conv2d(x, offset, weight, padding=1, mask=mask)
+out.sum().backward()
+print("first call ms", (time.perf_counter() - begin) * 1e3)
+print("sum", float(out.double().sum()), float(x.grad.double().sum()))
+"""
+
+
+def test_a_warm_process_finds_its_kernels_without_a_primfunc_or_a_database(cache_dir):
+    # The first process compiles (with the shipped logs looked at); the second finds the same
+    # kernels through the index, forward and backward, with the definition and the databases
+    # made to raise.
+    env = os.environ | {"TVM_DEFORM_CACHE_DIR": str(cache_dir)}
+    env.pop("TVM_DEFORM_TUNED", None)
+    outputs = []
+    for mode in ("cold", "warm"):
+        run = subprocess.run(
+            [sys.executable, "-c", WARM_START, mode], env=env, capture_output=True, text=True
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        outputs.append(run.stdout.split("sum")[-1])
+    assert outputs[0] == outputs[1]
+    assert (cache_dir / "index.json").is_file()

@@ -9,6 +9,11 @@ import functools
 import inspect
 
 import torch
+
+# torch runs a custom op's implementation inside ``torch._compile._disable_dynamo``, which
+# imports ``torch._dynamo`` at the first call of any custom op: a second or more, which would
+# land on the first image a model sees. Imported here, with the package, instead.
+import torch._dynamo  # noqa: F401
 import tvm_ffi
 from tvm.target import Target
 

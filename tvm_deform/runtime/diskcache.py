@@ -129,7 +129,7 @@ def verified(path: Path) -> bool:
 
 def seal(path: Path) -> None:
     """Write the digest file of the library at ``path`` (atomically)."""
-    _write_atomically(path.with_name(path.name + DIGEST), digest_of(path).encode())
+    write_atomically(path.with_name(path.name + DIGEST), digest_of(path).encode())
 
 
 def store(path: Path, export: Callable[[str], None]) -> None:
@@ -145,12 +145,13 @@ def store(path: Path, export: Callable[[str], None]) -> None:
     finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
-    _write_atomically(path.with_name(path.name + DIGEST), digest.encode())
+    write_atomically(path.with_name(path.name + DIGEST), digest.encode())
     if path.parent == root():
         evict(limit_bytes(), keep=path)
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file renamed into place."""
     handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     try:
         with os.fdopen(handle, "wb") as file:

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import importlib
 import inspect
+import json
 import logging
 import shutil
 import tempfile
@@ -250,9 +251,15 @@ def get_kernel(
     tuned = env.tuned_enabled() if tuned is None else tuned
 
     def load() -> Kernel:
-        if layout != "NCHW":
-            return load_kernel(shape, target, None, layout)
-        return load_kernel(shape, target, resolve(shape, target, tuned))
+        op = "forward" if layout == "NCHW" else f"forward_{layout.lower()}"
+        key = _index_key(op, shape, target, tuned and layout == "NCHW")
+        module = _from_index(key)
+        if module is not None:
+            return module["deform_conv2d"]
+        record = resolve(shape, target, tuned) if layout == "NCHW" else None
+        kernel = load_kernel(shape, target, record, layout)
+        _add_to_index(key, cache_path(shape, target, _schedule_name(record), op))
+        return kernel
 
     return _memoised(("forward", shape, layout, _target_text(target), tuned), load)
 
@@ -272,7 +279,7 @@ def load_kernel(
     """The forward kernel of ``shape`` for an input in ``layout``, with ``record``'s schedule
     (None: the default), through the disk cache, not memoised (benchmarks use it to run
     schedules dispatch would not pick)."""
-    schedule = "default" if record is None else record.identity
+    schedule = _schedule_name(record)
     op = "forward" if layout == "NCHW" else f"forward_{layout.lower()}"
     module = _load_module(
         cache_path(shape, target, schedule, op=op),
@@ -309,9 +316,16 @@ def get_backward(
     tuned = env.tuned_enabled() if tuned is None else tuned
 
     def load() -> BackwardKernels:
-        if gradients != definition.ALL_GRADIENTS:
-            return load_backward(shape, target, None, gradients)
-        return load_backward(shape, target, resolve(shape, target, tuned, "backward"))
+        every = gradients == definition.ALL_GRADIENTS
+        op = "backward" if every else f"backward_{gradients.name}"
+        key = _index_key(op, shape, target, tuned and every)
+        module = _from_index(key)
+        if module is not None:
+            return _backward_kernels(module, gradients)
+        record = resolve(shape, target, tuned, "backward") if every else None
+        found = load_backward(shape, target, record, gradients)
+        _add_to_index(key, cache_path(shape, target, _schedule_name(record), op))
+        return found
 
     return _memoised(("backward", shape, gradients, str(target), tuned), load)
 
@@ -324,15 +338,87 @@ def load_backward(
 ) -> BackwardKernels:
     """The backward kernels of ``shape`` computing ``gradients``, with ``record``'s schedule for
     the gradients kernel (None: the default), through the disk cache, not memoised."""
-    schedule = "default" if record is None else record.identity
+    schedule = _schedule_name(record)
     op = "backward" if gradients == definition.ALL_GRADIENTS else f"backward_{gradients.name}"
     module = _load_module(
         cache_path(shape, target, schedule, op=op),
         lambda: compile_backward(shape, target, record, gradients),
         _describe(shape, target, op, schedule),
     )
+    return _backward_kernels(module, gradients)
+
+
+def _backward_kernels(
+    module: tvm.runtime.Module, gradients: definition.Gradients
+) -> BackwardKernels:
     scatter = module["deform_conv2d_grad_input"] if gradients.input else None
     return BackwardKernels(module["deform_conv2d_backward"], scatter)
+
+
+def _schedule_name(record: records.TunedRecord | None) -> str:
+    """The schedule's name in the kernel cache: "default", or the tuned record's identity."""
+    return "default" if record is None else record.identity
+
+
+#: the kernel index, ``index.json`` in the cache directory: what a call asked for (the op, the
+#: layer, the target, the tuning settings and a fingerprint of the logs) -> the kernel file it
+#: was given. A new process finds a kernel it has compiled before through it, without resolving
+#: the schedule again (which builds the PrimFunc and opens the tuning databases)
+INDEX = "index.json"
+_index: dict[str, str] = {}
+
+
+def _index_key(op: str, shape: ConvShape, target: Target, tuned: bool) -> str:
+    text = "\n".join(
+        (
+            op,
+            cache_path(shape, target, "default", op).name,  # layer, target, versions, pool
+            f"tuned {tuned} measure {env.measure_enabled()}",
+            records.logs_fingerprint() if tuned else "",
+        )
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _from_index(key: str) -> tvm.runtime.Module | None:
+    """The kernel library the index names for ``key``, loaded, if it is still in the cache."""
+    base = diskcache.root()
+    if base is None:
+        return None
+    name = _index.get(key) or _read_index(base).get(key)
+    if name is None:
+        return None
+    path = base / name
+    with diskcache.locked(path):
+        module = _load_cached(path)
+    if module is None:
+        return None
+    _use(path, module)
+    return module
+
+
+def _read_index(base: Path) -> dict[str, str]:
+    path = base / INDEX
+    try:
+        found = json.loads(path.read_text()) if diskcache.trusted(path) else {}
+    except (OSError, ValueError):
+        found = {}
+    _index.update(found)
+    return found
+
+
+def _add_to_index(key: str, path: Path) -> None:
+    base = diskcache.root()
+    if base is None or not path.exists():
+        return
+    _index[key] = path.name
+    try:
+        with diskcache.locked(base / INDEX):
+            entries = _read_index(base) | {key: path.name}
+            live = {k: n for k, n in entries.items() if (base / n).exists()}
+            diskcache.write_atomically(base / INDEX, json.dumps(live, indent=0).encode())
+    except OSError:
+        pass  # an index that cannot be written costs the next process a lookup
 
 
 #: set once a CPU kernel runs on TVM's own thread pool (launcher off or unavailable, or a kernel
@@ -369,12 +455,19 @@ def _load_module(
                 _store_cached(built, path)
                 module = _load_cached(path)
         if module is not None:
-            attached = _attach(path, module)
-        else:
-            module, attached = _load_private(built, path.name)
+            _use(path, module)
+            return module
+        module, attached = _load_private(built, path.name)
     if not attached:
         _tvm_pool_in_use = True
     return module
+
+
+def _use(path: Path, module: tvm.runtime.Module) -> None:
+    """Attach the library ``module`` loaded from ``path`` (see :func:`_attach`)."""
+    global _tvm_pool_in_use
+    if not _attach(path, module):
+        _tvm_pool_in_use = True
 
 
 def _compile(compile_module: Callable[[], tvm.runtime.Module], what: str) -> tvm.runtime.Module:

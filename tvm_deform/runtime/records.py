@@ -331,3 +331,23 @@ def tuned_schedule(shape: ConvShape, record: TunedRecord, op: str = "forward") -
 def forget_databases() -> None:
     """Drop the databases read so far (after the log files changed)."""
     _database.cache_clear()
+    _fingerprint.cache_clear()
+
+
+def logs_fingerprint() -> str:
+    """A digest of every log file the lookups may read (path, size, modification time): the
+    kernel index (:mod:`tvm_deform.runtime.kernels`) keys its entries by it, so that new or
+    changed logs resolve the schedules again. Files are listed, not read."""
+    return _fingerprint(tuple(str(root) for root in log_roots()))
+
+
+@functools.cache
+def _fingerprint(roots: tuple[str, ...]) -> str:
+    digest = hashlib.sha256()
+    for root in roots:
+        digest.update(root.encode() + b"\0")
+        for path in sorted(Path(root).rglob("*")) if Path(root).is_dir() else ():
+            if path.is_file():
+                info = path.stat()
+                digest.update(f"{path}:{info.st_size}:{info.st_mtime_ns}\0".encode())
+    return digest.hexdigest()[:20]
