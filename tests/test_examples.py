@@ -7,12 +7,12 @@ import doctest
 import pytest
 
 import tvm_deform
-from tvm_deform.binding import export, modules, ops
+from tvm_deform.binding import export, modules, ops, precompile
 
 
 @pytest.mark.parametrize(
     "obj",
-    [ops.deform_conv2d, modules.DeformConv2d, export.export_onnx],
+    [ops.deform_conv2d, modules.DeformConv2d, export.export_onnx, precompile.precompile],
     ids=lambda obj: obj.__name__,
 )
 def test_docstring_examples_run(obj):

@@ -9,6 +9,7 @@ from tvm_deform import env  # noqa: E402,F401 - must run before TVM is imported
 from tvm_deform.binding.export import export_onnx, onnx_translation_table  # noqa: E402
 from tvm_deform.binding.modules import DeformConv2d  # noqa: E402
 from tvm_deform.binding.ops import deform_conv2d  # noqa: E402
+from tvm_deform.binding.precompile import precompile  # noqa: E402
 
 __all__ = [
     "DeformConv2d",
@@ -16,4 +17,5 @@ __all__ = [
     "deform_conv2d",
     "export_onnx",
     "onnx_translation_table",
+    "precompile",
 ]

@@ -4,9 +4,12 @@ function."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -275,9 +278,45 @@ def _deform_conv2d_fake(
     """The op's output, without computing it (its arguments as the op's: the six geometry
     integers, then the rule, which may come positionally too)."""
     geometry, rest = params[:6], params[6:]
-    _checked_rule(rest[0] if rest else offset_grad_rule)
+    rule = _checked_rule(rest[0] if rest else offset_grad_rule)
     shape = _op_shape(input, offset, weight, bias, mask, *geometry)
+    if _recording is not None:
+        nhwc = input.device.type == "cpu" and _is_channels_last(input)
+        gradients = definition.Gradients(
+            input=input.requires_grad,
+            sampling=offset.requires_grad or (mask is not None and mask.requires_grad),
+            weight=weight.requires_grad or (bias is not None and bias.requires_grad),
+        )
+        layout = "NHWC" if nhwc else "NCHW"
+        _recording.append(Call(shape, layout, input.device, rule, gradients))
     return input.new_empty((shape.batch, shape.out_channels, shape.out_h, shape.out_w))
+
+
+class Call(NamedTuple):
+    """A call of the op, as :func:`recording` sees it: the layer, the input's layout, the
+    device, the offset gradient's rule and the gradients a backward would compute."""
+
+    shape: ConvShape
+    layout: str
+    device: torch.device
+    offset_grad_rule: str
+    gradients: definition.Gradients
+
+
+#: the calls seen by the fake kernel while :func:`recording` is active
+_recording: list[Call] | None = None
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Call]]:
+    """Collect the op's calls that run on fake tensors (``FakeTensorMode``, ``torch.export``)
+    while active, without computing them."""
+    global _recording
+    previous, _recording = _recording, []
+    try:
+        yield _recording
+    finally:
+        _recording = previous
 
 
 @torch.library.custom_op("tvm_deform::deform_conv2d_backward", mutates_args=())

@@ -121,6 +121,49 @@ def resolve(
     return dispatch.pick(shape, target, op, candidates)
 
 
+def candidates(
+    shape: ConvShape, target: Target, op: str = "forward"
+) -> list[records.TunedRecord | None]:
+    """Every schedule :func:`resolve` may give ``shape``'s ``op`` on ``target`` (None: the
+    default), without timing any: the one this machine's own logs choose, or the default and
+    each compatible machine's best record, which the first use times here."""
+    if not env.tuned_enabled():
+        return [None]
+    key = hardware_key(target)
+    from tvm_deform.runtime import dispatch
+
+    own = records.own_records(shape, target, key, op)
+    if own:
+        return [dispatch.choose_own(shape, op, own)]
+    if not env.measure_enabled():
+        return [None]
+    return [None, *records.foreign_records(shape, target, key, op)]
+
+
+def compile_candidates(
+    shape: ConvShape,
+    target: Target,
+    op: str,
+    layout: str = "NCHW",
+    gradients: definition.Gradients = definition.ALL_GRADIENTS,
+) -> None:
+    """Compile into the disk cache every kernel a first call of ``shape``'s ``op`` ("forward"
+    with its input in ``layout``, or "backward" computing ``gradients``) may run (see
+    :func:`candidates`); for ahead-of-time compiling in parallel processes, which leaves the
+    timing among them to the first use."""
+    if op == "forward" and layout != "NCHW":
+        load_kernel(shape, target, None, layout)
+        return
+    if op == "backward" and gradients != definition.ALL_GRADIENTS:
+        load_backward(shape, target, None, gradients)
+        return
+    for record in candidates(shape, target, op):
+        if op == "forward":
+            load_kernel(shape, target, record)
+        else:
+            load_backward(shape, target, record)
+
+
 def default_schedule(
     shape: ConvShape,
     target: Target,
