@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import inspect
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -17,197 +16,16 @@ import torch
 # imports ``torch._dynamo`` at the first call of any custom op: a second or more, which would
 # land on the first image a model sees. Imported here, with the package, instead.
 import torch._dynamo  # noqa: F401
-import tvm_ffi
-from tvm.target import Target
 
 from tvm_deform.binding.validation import ArgumentError, as_pair, check_arguments
 from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape
-from tvm_deform.runtime import kernels, targets
+from tvm_deform.runtime.calls import device_target, is_channels_last, run_backward, run_forward
 
-__all__ = ["deform_conv2d"]
-
-
-def run_forward(
-    shape: ConvShape,
-    input: torch.Tensor,
-    offset: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    kernel: kernels.Kernel | None = None,
-) -> torch.Tensor:
-    """Run ``kernel`` (default: the one dispatch picks for ``shape`` on the tensors' device)
-    on validated tensors, CPU or CUDA. A CUDA kernel runs on torch's current stream of the
-    tensors' device, without synchronising."""
-    output = input.new_empty((shape.batch, shape.out_channels, shape.out_h, shape.out_w))
-    if shape.batch == 0:
-        return output
-    cuda = input.device.type == "cuda"
-    # A channels_last input on the CPU is read in place by a kernel that takes NHWC.
-    nhwc = kernel is None and not cuda and _is_channels_last(input)
-    if kernel is None:
-        layout = "NHWC" if nhwc else "NCHW"
-        kernel = kernels.get_kernel(shape, device_target(input.device), layout=layout)
-    if not cuda:
-        kernels.configure_threads(torch.get_num_threads())
-    pixels = shape.out_h * shape.out_w
-    # .contiguous() returns the tensor itself when it already is; the views below are free, so a
-    # contiguous tensor reaches the kernel without a copy (TVM reads torch memory via DLPack).
-    args = [
-        input.permute(0, 2, 3, 1) if nhwc else input.contiguous(),
-        offset.contiguous().view(shape.batch, -1, pixels),
-    ]
-    if mask is not None:
-        args.append(mask.contiguous().view(shape.batch, -1, pixels))
-    args.append(weight.contiguous().view(shape.out_channels, -1, shape.taps))
-    if bias is not None:
-        args.append(bias.contiguous())
-    args.append(output.view(shape.batch, shape.out_channels, pixels))
-    if cuda:
-        with torch.cuda.device(input.device), tvm_ffi.use_torch_stream():
-            kernel(*args)
-    else:
-        kernel(*args)
-    return output
-
-
-def _is_channels_last(input: torch.Tensor) -> bool:
-    """A channels_last tensor that is not also NCHW-contiguous (one channel, or 1x1 images)."""
-    return input.is_contiguous(memory_format=torch.channels_last) and not input.is_contiguous()
-
-
-def device_target(device: torch.device) -> Target:
-    """The target whose kernels run on ``device``: this machine's CPU, or the CUDA target of
-    the GPU (its compute capability, ``sm_90`` on an H100 or H200, and its multiprocessor count
-    and L2 cache size)."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return _cuda_device_target(index)
-    return targets.host_target()
-
-
-@functools.cache
-def _cuda_device_target(index: int) -> Target:
-    properties = torch.cuda.get_device_properties(index)
-    return targets.cuda_target(
-        f"sm_{properties.major}{properties.minor}",
-        multiprocessors=properties.multi_processor_count,
-        l2_cache_bytes=getattr(properties, "L2_cache_size", None),
-    )
-
-
-_TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
-def run_backward(
-    shape: ConvShape,
-    grad_output: torch.Tensor,
-    input: torch.Tensor,
-    offset: torch.Tensor,
-    weight: torch.Tensor,
-    mask: torch.Tensor | None,
-    compiled: kernels.BackwardKernels | None = None,
-    output_mask: tuple[bool, bool, bool, bool, bool] = (True,) * 5,
-) -> tuple[
-    torch.Tensor | None,
-    torch.Tensor | None,
-    torch.Tensor | None,
-    torch.Tensor | None,
-    torch.Tensor | None,
-]:
-    """The gradients ``(input, offset, mask, weight, bias)`` of ``shape``'s forward for
-    ``grad_output``, each computed only when ``output_mask`` asks for it (as in
-    ``aten::convolution_backward``) and None otherwise; the mask's is None without a mask, the
-    bias's None when ``shape`` has no bias. ``compiled`` (the backward kernels) defaults to the
-    ones dispatch picks for ``shape``, the tensors' device and the gradients asked for. CUDA
-    kernels run on torch's current stream of the tensors' device."""
-    want_input, want_offset, want_mask, want_weight, want_bias = output_mask
-    want_mask = want_mask and mask is not None
-    want_bias = want_bias and shape.has_bias
-    gradients = definition.Gradients(
-        input=want_input, sampling=want_offset or want_mask, weight=want_weight or want_bias
-    )
-    # The kernels write every element of what they compute; an empty batch leaves zeros.
-    empty = shape.batch == 0
-    like = torch.zeros_like if empty else torch.empty_like
-    contiguous = torch.contiguous_format
-    grad_input = like(input, memory_format=contiguous) if gradients.input else None
-    grad_offset = grad_mask = grad_weight = grad_bias = None
-    if gradients.sampling:
-        grad_offset = like(offset, memory_format=contiguous)
-        grad_mask = like(mask, memory_format=contiguous) if mask is not None else None
-    if gradients.weight:
-        grad_weight = like(weight, memory_format=contiguous)
-        if shape.has_bias:
-            grad_bias = (weight.new_zeros if empty else weight.new_empty)(shape.out_channels)
-    if not empty and gradients != definition.Gradients(False, False, False):
-        target = device_target(input.device)
-        compiled = compiled or kernels.get_backward(shape, target, gradients=gradients)
-        run = functools.partial(
-            _run_backward_kernels,
-            shape,
-            compiled,
-            grad_output,
-            input,
-            offset,
-            weight,
-            mask,
-            gradients,
-            (grad_input, grad_offset, grad_mask, grad_weight, grad_bias),
-        )
-        if input.device.type == "cuda":
-            with torch.cuda.device(input.device), tvm_ffi.use_torch_stream():
-                run()
-        else:
-            kernels.configure_threads(torch.get_num_threads())
-            run()
-    return (
-        grad_input,
-        grad_offset if want_offset else None,
-        grad_mask if want_mask else None,
-        grad_weight if want_weight else None,
-        grad_bias if want_bias else None,
-    )
-
-
-def _run_backward_kernels(
-    shape, compiled, grad_output, input, offset, weight, mask, gradients, grads
-) -> None:
-    """Run the backward kernels into ``grads`` (input, offset, mask, weight, bias), with the
-    arguments :func:`definition.backward` and :func:`definition.grad_input` take."""
-    grad_input, grad_offset, grad_mask, grad_weight, grad_bias = grads
-    pixels = shape.out_h * shape.out_w
-    shapes = definition.backward_buffer_shapes(shape, gradients)
-    grad_output = grad_output.contiguous().view(shape.batch, shape.out_channels, pixels)
-    padded = shapes["grad_output"][-1]
-    if padded != pixels:
-        # Zero gradient on the padding pixels: they add nothing to the reductions.
-        grad_output = torch.nn.functional.pad(grad_output, (0, padded - pixels))
-    acc = _TORCH_DTYPES[shape.accumulator_dtype]
-    workspaces = [
-        input.new_empty(shapes["sample_rows"], dtype=torch.int32),
-        input.new_empty(shapes["sample_cols"], dtype=torch.int32),
-        input.new_empty(shapes["sample_coef"], dtype=acc),
-    ]
-    if gradients.needs_grad_columns:
-        workspaces.insert(0, input.new_empty(shapes["grad_columns"], dtype=acc))
-    args = [input.contiguous(), offset.contiguous().view(shape.batch, -1, pixels)]
-    if mask is not None:
-        args.append(mask.contiguous().view(shape.batch, -1, pixels))
-    args += [weight.contiguous().view(shape.out_channels, -1, shape.taps), grad_output]
-    args += workspaces
-    if grad_offset is not None:
-        args.append(grad_offset.view(shape.batch, -1, pixels))
-    if grad_mask is not None:
-        args.append(grad_mask.view(shape.batch, -1, pixels))
-    if grad_weight is not None:
-        args.append(grad_weight.view(shape.out_channels, -1, shape.taps))
-    if grad_bias is not None:
-        args.append(grad_bias)
-    compiled.gradients(*args)
-    if grad_input is not None:
-        compiled.grad_input(*workspaces, grad_input)
+# run_forward, run_backward and device_target live in the runtime (one calling path for the ops,
+# the measured dispatch and the benchmarks) and are re-exported here for the callers that run a
+# chosen kernel through the op's argument layout.
+__all__ = ["deform_conv2d", "device_target", "run_backward", "run_forward"]
 
 
 def _op_shape(input, offset, weight, bias, mask, *params: int) -> ConvShape:
@@ -281,7 +99,7 @@ def _deform_conv2d_fake(
     rule = _checked_rule(rest[0] if rest else offset_grad_rule)
     shape = _op_shape(input, offset, weight, bias, mask, *geometry)
     if _recording is not None:
-        nhwc = input.device.type == "cpu" and _is_channels_last(input)
+        nhwc = input.device.type == "cpu" and is_channels_last(input)
         gradients = definition.Gradients(
             input=input.requires_grad,
             sampling=offset.requires_grad or (mask is not None and mask.requires_grad),

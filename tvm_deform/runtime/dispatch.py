@@ -167,20 +167,18 @@ def measure(
 def _runner(
     shape: ConvShape, target: Target, op: str, record: records.TunedRecord | None
 ) -> Callable[[], object]:
-    from tvm_deform.binding import (
-        ops,  # the binding layer's calling path (argument layout, threads)
-    )
+    from tvm_deform.runtime import calls  # imports kernels, which imports this module
 
     args = random_inputs(shape)
     x, offset, weight, bias, mask = (args[k] for k in ("input", "offset", "weight", "bias", "mask"))
     if op == "forward":
         kernel = kernels.load_kernel(shape, target, record)
-        return lambda: ops.run_forward(shape, x, offset, weight, bias, mask, kernel)
+        return lambda: calls.run_forward(shape, x, offset, weight, bias, mask, kernel)
     backward_kernels = kernels.load_backward(shape, target, record)
     grad_output = torch.randn(
         shape.batch, shape.out_channels, shape.out_h, shape.out_w, dtype=x.dtype
     )
-    return lambda: ops.run_backward(shape, grad_output, x, offset, weight, mask, backward_kernels)
+    return lambda: calls.run_backward(shape, grad_output, x, offset, weight, mask, backward_kernels)
 
 
 def _logs_key(shape: ConvShape, op: str, options: dict[str, records.TunedRecord | None]) -> str:
