@@ -72,3 +72,23 @@ def test_info_names_compatible_logs_newer_than_the_own(tmp_path, monkeypatch, ca
     assert f"{tmp_path}: {own} (2000-01-01), {other} (2000-02-01)" in out
     (hint,) = [line for line in out.splitlines() if "newer than this machine's own logs" in line]
     assert other in hint.split(":")[0]  # the shipped logs of other keys may be named beside it
+
+
+def test_the_size_stream_is_detection_like_and_summarised_from_its_data():
+    from tvm_deform.tools import bench_sizes
+
+    sizes = bench_sizes.stream_sizes()
+    assert len(sizes) == 20 and all(h % 32 == 0 and w % 32 == 0 for h, w in sizes)
+    assert all(min(h, w) == bench_sizes.SHORT_SIDE for h, w in sizes)
+    rows = [
+        {"height": 320, "width": 448, "first_ms": 300.0, "warm_ms": 100.0, "since_start_ms": 500.0},
+        {"height": 320, "width": 448, "first_ms": 100.0, "warm_ms": 100.0, "since_start_ms": 900.0},
+        {"height": 480, "width": 320, "first_ms": 110.0, "warm_ms": 100.0, "since_start_ms": 1e3},
+    ]
+    (record,) = bench_sizes.summary({"ours": rows})
+    assert record["new sizes"] == 2 and record["total s"] == pytest.approx(0.51)
+    assert record["first image s"] == 0.5
+    assert record["new size overhead (median)"] == "+105%"  # of +200% and +10%
+    assert record["new size overhead (worst)"] == "+200%"
+    (first, *_) = bench_sizes.per_image({"ours": rows})
+    assert first["size"] == "320x448" and first["ours first ms"] == 300.0

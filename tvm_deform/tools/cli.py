@@ -191,6 +191,28 @@ def run_bench_model(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def run_bench_sizes(args: argparse.Namespace) -> int:
+    from tvm_deform.tools import bench_model, bench_sizes
+
+    _torchvision()
+    print(
+        f"R50-DCNv2 (DCN in c3-c5), a stream of {len(bench_sizes.IMAGES)} images resized to a "
+        f"short side of {bench_sizes.SHORT_SIDE} and padded to {bench_sizes.STRIDE}, inference, "
+        f"batch 1, {torch.get_num_threads()} threads, CPU {targets.host_cpu()}; each stream a new "
+        "process (import not counted), tvm_deform's cold one from an empty kernel cache"
+    )
+    streams = bench_sizes.run()
+    table = bench_model.markdown(bench_sizes.summary(streams))
+    images = bench_model.markdown(bench_sizes.per_image(streams), digits=0)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench-sizes.md").write_text(table + "\n\n" + images + "\n")
+    (out / "bench-sizes.json").write_text(json.dumps(streams, indent=1) + "\n")
+    print(f"per image: {out / 'bench-sizes.md'}; raw: {out / 'bench-sizes.json'}")
+    return 0
+
+
 def run_diagnose(args: argparse.Namespace) -> int:
     from tvm_deform.compat.precision import diagnose
 
@@ -507,6 +529,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--runs", type=int, default=10, help="timed runs per row, at least")
     model.add_argument("--no-compile", action="store_true", help="leave out torch.compile rows")
     sub.add_parser(
+        "bench-sizes",
+        parents=[_parent("out")],
+        help="R50-DCNv2 on 20 detection-style sizes, cold and warm cache, against torchvision",
+    )
+    sub.add_parser(
         "info",
         parents=[_parent("suite")],
         help="target, hardware key, logs, and what each workload runs",
@@ -623,6 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench": run_bench,
         "bench-backward": run_bench_backward,
         "bench-model": run_bench_model,
+        "bench-sizes": run_bench_sizes,
         "info": run_info,
         "diagnose": run_diagnose,
         "tune": run_tune,
