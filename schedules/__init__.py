@@ -17,6 +17,8 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm_deform.schedules.cpu import ColumnTileCPU, InlineCPU, OutputChannelCPU
+from tvm_deform.schedules.cpu import pixel_classes as cpu_pixel_classes
+from tvm_deform.schedules.cpu import pixel_quantum as cpu_pixel_quantum
 from tvm_deform.schedules.cpu_backward import BackwardCPU, GradInputCPU
 from tvm_deform.schedules.cuda import OnePassCUDA, SplitReductionCUDA
 from tvm_deform.schedules.cuda_backward import BackwardCUDA, GradInputCUDA
@@ -77,13 +79,30 @@ def design_spaces(kernel: str, func: tirx.PrimFunc, target: Target) -> list[s_ti
     return spaces
 
 
-def forward_schedule(shape: ConvShape, target: Target, layout: str = "NCHW") -> s_tir.Schedule:
+def pixel_classes(shape: ConvShape, target: Target) -> tuple[int, ...]:
+    """The pixel counts from which ``shape``'s default forward on ``target`` changes structure
+    (see :func:`.cpu.pixel_classes`); one class, ``(1,)``, where it never does."""
+    if target.kind.name == "llvm":
+        return cpu_pixel_classes(shape, target)
+    return (1,)
+
+
+def forward_schedule(
+    shape: ConvShape, target: Target, layout: str = "NCHW", min_pixels: int | None = None
+) -> s_tir.Schedule:
     """The default schedule of ``shape``'s forward for ``target``: the first default rule of
-    the definition. float16 and bfloat16 layers compute on the CUDA cores too (columns and
-    sums in float32): on an H200 the tensor-core schedule (:func:`tensor_core_schedule`) was
-    slower than the CUDA-core one on 11 of the 14 suite layers it takes, so it is not the
-    default."""
-    return apply_default("forward", definition.forward(shape, layout), target)
+    the definition; with ``min_pixels``, of the PrimFunc for any size (batch, height and width
+    symbolic) whose maps have at least that many pixels (see :func:`pixel_classes`). float16
+    and bfloat16 layers compute on the CUDA cores too (columns and sums in float32): on an H200
+    the tensor-core schedule (:func:`tensor_core_schedule`) was slower than the CUDA-core one
+    on 11 of the 14 suite layers it takes, so it is not the default."""
+    if min_pixels is None:
+        return apply_default("forward", definition.forward(shape, layout), target)
+    quantum = cpu_pixel_quantum(shape, target, min_pixels)
+    func = definition.forward(
+        shape, layout, pixel_quantum=quantum, sizes="symbolic", min_pixels=min_pixels
+    )
+    return apply_default("forward", func, target)
 
 
 def tensor_core_schedule(

@@ -66,3 +66,16 @@ def is_deform_conv(sch: s_tir.Schedule) -> bool:
 
 
 GEOMETRY = ("sample_coef", "sample_cols", "sample_rows")
+#: the stage of a symbolic PrimFunc that holds each pixel's window corner (the geometry reads it)
+PIXEL_BASE = "pixel_base"
+
+
+def geometry_blocks(sch: s_tir.Schedule) -> list:
+    """The geometry stages of the forward in ``sch``, consumers first: the three of
+    ``GEOMETRY``, then, in a symbolic PrimFunc, the pixels' window corners they read."""
+    blocks = [sch.get_sblock(name) for name in GEOMETRY]
+    try:
+        blocks.append(sch.get_sblock(PIXEL_BASE))
+    except Exception:  # noqa: BLE001 - a static PrimFunc has no such stage
+        pass
+    return blocks

@@ -46,7 +46,7 @@ from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm_deform.schedules.common import (
     GEOMETRY,
-    extents,
+    geometry_blocks,
     is_deform_conv,
     lanes,
     largest_divisor,
@@ -54,7 +54,31 @@ from tvm_deform.schedules.common import (
 )
 from tvm_deform.schedules.rule import Choices, Rule
 
-from tvm_deform.ir.definition import PIXEL_QUANTUM
+from tvm_deform.ir.definition import PIXEL_QUANTUM, ConvShape, padded_pixels
+
+
+def pixel_classes(shape: ConvShape, target: Target) -> tuple[int, ...]:
+    """The pixel counts from which the default forward of ``shape``'s layer changes structure,
+    ascending, the first 1: a kernel for any size (``definition.forward(..., sizes="symbolic",
+    min_pixels=...)``) is built per class, and a call takes the largest class its padded
+    pixels reach. Only the output-channel structure depends on the map's size."""
+    large = dataclasses.replace(Layer.of_shape(shape), min_pixels=OUTPUT_CHANNEL_MIN_PIXELS)
+    vector = lanes(target, shape.accumulator_dtype)
+    suited = not large.samples_used_once and large.suits_output_channel_vectors(vector)
+    return (1, OUTPUT_CHANNEL_MIN_PIXELS) if suited else (1,)
+
+
+def pixel_quantum(shape: ConvShape, target: Target, min_pixels: int) -> int:
+    """The pixel tile of the default forward of ``shape``'s layer for maps of at least
+    ``min_pixels`` pixels: a kernel for any size pads its pixel axis to a multiple of it (one
+    tile at most is wasted, not a whole ``PIXEL_QUANTUM``)."""
+    layer = dataclasses.replace(Layer.of_shape(shape), min_pixels=min_pixels)
+    vector = lanes(target, shape.accumulator_dtype)
+    if layer.samples_used_once:
+        return InlineCPU.pixels
+    if layer.suits_output_channel_vectors(vector):
+        return OutputChannelCPU.tile
+    return vector * ColumnTileCPU.vectors_per_tile
 
 
 class ForwardCPU(Rule):
@@ -117,7 +141,7 @@ class InlineCPU(ForwardCPU):
                 None,
                 choose(
                     self.pixel_candidates,
-                    _dividing_tile(layer.pixels, self.pixels),
+                    layer.tile(self.pixels),
                     lambda t: layer.pixels % t == 0 and t < layer.pixels,
                 ),
             ],
@@ -164,7 +188,7 @@ class OutputChannelCPU(ForwardCPU):
         return layer.out_per_group % block == 0 and block < layer.out_channels
 
     def schedule(self, sch, layer, vector, registers, choose) -> None:
-        default_tile = _dividing_tile(layer.pixels, self.tile)
+        default_tile = layer.tile(self.tile)
         tile = choose(
             self.tile_candidates,
             default_tile,
@@ -234,7 +258,7 @@ class ColumnTileCPU(ForwardCPU):
                 None,
                 choose(
                     self.tile_candidates,
-                    _dividing_tile(layer.pixels, vector * self.vectors_per_tile),
+                    layer.tile(vector * self.vectors_per_tile),
                     lambda t: layer.pixels % t == 0 and t < layer.pixels,
                 ),
             ],
@@ -255,11 +279,14 @@ def _lanes(sch: s_tir.Schedule, target: Target) -> int:
     return lanes(target, str(sch.get(sch.get_sblock("conv")).writes[0].source.dtype))
 
 
-def _dividing_tile(pixels: int, wanted: int) -> int:
+def _dividing_tile(pixels, wanted: int, quantum: int = PIXEL_QUANTUM) -> int:
     """A pixel tile of at most ``wanted`` that divides the padded pixel axis: the definition pads
-    an axis longer than PIXEL_QUANTUM to a multiple of it, so a power-of-two tile up to the
-    quantum divides it; a shorter axis may need one tile."""
-    tile = min(wanted, PIXEL_QUANTUM, pixels)
+    an axis longer than the quantum to a multiple of it, so a power-of-two tile up to the
+    quantum divides it; a shorter axis may need one tile. A symbolic axis (any size) is always
+    a multiple of the quantum."""
+    if not isinstance(pixels, int):
+        return min(wanted, quantum)
+    tile = min(wanted, quantum, pixels)
     return tile if pixels % tile == 0 else pixels
 
 
@@ -284,11 +311,16 @@ class Layer:
     """What the schedules need to know of the layer, read from the forward PrimFunc's buffers."""
 
     out_channels: int
-    pixels: int  # the padded pixel axis
+    #: the padded pixel axis: an int, or an expression of the sizes in a symbolic PrimFunc
+    #: (see :func:`tvm_deform.ir.definition.forward`'s ``sizes``)
+    pixels: object
     in_channels: int
     in_per_group: int  # input channels per weight group
     offset_groups: int
     taps: int
+    #: the pixel axis is a multiple of this (symbolic PrimFuncs), and at least this long
+    quantum: int = PIXEL_QUANTUM
+    min_pixels: int = 1
 
     @classmethod
     def of(cls, sch: s_tir.Schedule) -> Layer:
@@ -296,15 +328,42 @@ class Layer:
         weight = next(r.source for r in conv.reads if r.source.name == "weight")
         columns = sch.get(sch.get_sblock("columns")).writes[0].source
         coef = sch.get(sch.get_sblock("sample_coef")).writes[0].source
-        _, out_channels, pixels = (int(d) for d in conv.writes[0].source.shape)
+        _, out_channels, pixels = conv.writes[0].source.shape
+        attrs = sch.mod["main"].attrs
+        symbolic = attrs is not None and "pixel_quantum" in attrs
         return cls(
-            out_channels=out_channels,
-            pixels=pixels,
+            out_channels=int(out_channels),
+            pixels=pixels if symbolic else int(pixels),
             in_channels=int(columns.shape[1]),
             in_per_group=int(weight.shape[1]),
             offset_groups=int(coef.shape[1]),
             taps=int(columns.shape[2]),
+            quantum=int(attrs["pixel_quantum"]) if symbolic else PIXEL_QUANTUM,
+            min_pixels=int(attrs["min_pixels"]) if symbolic else int(pixels),
         )
+
+    @classmethod
+    def of_shape(cls, shape: ConvShape) -> Layer:
+        """The layer of ``shape``'s forward PrimFunc, without building it (its padded pixels
+        as the definition pads them)."""
+        pixels = padded_pixels(shape.out_h * shape.out_w)
+        return cls(
+            out_channels=shape.out_channels,
+            pixels=pixels,
+            in_channels=shape.in_channels,
+            in_per_group=shape.in_channels // shape.weight_groups,
+            offset_groups=shape.offset_groups,
+            taps=shape.taps,
+            min_pixels=pixels,
+        )
+
+    @property
+    def symbolic(self) -> bool:
+        return not isinstance(self.pixels, int)
+
+    def tile(self, wanted: int) -> int:
+        """A pixel tile of at most ``wanted`` that divides the padded pixel axis."""
+        return _dividing_tile(self.pixels, wanted, self.quantum)
 
     @property
     def channels_per_offset_group(self) -> int:
@@ -323,7 +382,7 @@ class Layer:
             self.channels_per_offset_group >= CHANNELS_LAST_MIN
             and self.out_per_group % vector == 0
             and self.out_channels * self.in_per_group * self.taps <= PACKED_WEIGHT_MAX
-            and self.pixels >= OUTPUT_CHANNEL_MIN_PIXELS
+            and self.min_pixels >= OUTPUT_CHANNEL_MIN_PIXELS
         )
 
     @property
@@ -344,7 +403,7 @@ def apply_output_channel_structure(
     layer = Layer.of(sch)
     conv = sch.get_sblock("conv")
     columns = sch.get_sblock("columns")
-    geometry = [sch.get_sblock(name) for name in GEOMETRY]
+    geometry = geometry_blocks(sch)
     channels_last_input(sch, columns)
     _pack_weight(sch, conv)
     sch.transform_layout(columns, ("write", 0), lambda n, c, k, p: (n, p, k, c))
@@ -448,7 +507,7 @@ def apply_structure(
     conv = sch.get_sblock("conv")
     columns = sch.get_sblock("columns")
     output = sch.get_sblock("output")
-    geometry = [sch.get_sblock(name) for name in GEOMETRY]
+    geometry = geometry_blocks(sch)
     if channels_last:
         channels_last_input(sch, columns)
 
@@ -514,10 +573,14 @@ def channels_last_input(sch: s_tir.Schedule, consumer) -> None:
     copy = sch.cache_read(consumer, reads.index("data"), "global")
     sch.transform_layout(copy, ("write", 0), lambda n, c, y, x: (n, y, x, c))
     n, c, y, x = sch.get_loops(copy)
-    channels, width = extents(sch, [c, x])
+    channels, width = (sch.get(loop).extent for loop in (c, x))
     sch.reorder(n, y, c, x)
     sch.parallel(sch.fuse(n, y))
-    if channels % TRANSPOSE_BLOCK == 0 and width % TRANSPOSE_BLOCK == 0:
+    # (A symbolic width is not known to divide: its rows are copied without the blocks.)
+    blocks = all(
+        isinstance(e, tirx.IntImm) and int(e) % TRANSPOSE_BLOCK == 0 for e in (channels, width)
+    )
+    if blocks:
         # Square blocks, a row of the block read as one vector: LLVM otherwise picks gather or
         # scatter instructions, which are slow (measured: about 13% of a depthwise layer).
         c_outer, c_inner = sch.split(c, [None, TRANSPOSE_BLOCK])
@@ -539,7 +602,7 @@ def apply_inline_structure(sch: s_tir.Schedule, pixel_factors: list, channel_fac
     the pixel and channel axes."""
     conv = sch.get_sblock("conv")
     columns = sch.get_sblock("columns")
-    geometry = [sch.get_sblock(name) for name in GEOMETRY]
+    geometry = geometry_blocks(sch)
     channels_last_input(sch, columns)
     _pack_weight(sch, conv)
     sch.compute_inline(columns)

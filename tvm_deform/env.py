@@ -64,6 +64,16 @@ def cache_limit_bytes() -> int:
         ) from None
 
 
+def sizes() -> str:
+    """``TVM_DEFORM_SIZES``: "any" (default) runs a CPU layer's forward on one kernel for every
+    input size; "static" compiles a kernel per input size (the path to measure what the
+    generality costs, or to rule it out)."""
+    value = os.environ.get("TVM_DEFORM_SIZES", "any").strip().lower() or "any"
+    if value not in ("any", "static"):
+        raise ValueError(f"TVM_DEFORM_SIZES must be 'any' or 'static', got {value!r}")
+    return value
+
+
 def tuned_enabled() -> bool:
     """``TVM_DEFORM_TUNED=0`` ignores every tuning log: default schedules only (comparisons)."""
     return _flag("TVM_DEFORM_TUNED", True)
@@ -110,6 +120,7 @@ VARIABLES = {
     "TVM_DEFORM_LAUNCHER": "0 runs CPU kernels on TVM's thread pool, not torch's threads",
     "TVM_DEFORM_MEASURE": "0: no timing of other machines' records here (default schedule)",
     "TVM_DEFORM_LOGS": "tuning-log directory: `tune` writes there, lookups search it first",
+    "TVM_DEFORM_SIZES": "static: a CPU kernel per input size, not one for every size",
     "TVM_DEFORM_TUNED": "0 ignores all tuning logs (default schedules only)",
     "TVM_NUM_THREADS": "size of TVM's CPU thread pool (set to all cores by tvm_deform)",
     "TVM_BIND_THREADS": "1 lets TVM pin threads to cores (tvm_deform sets 0)",

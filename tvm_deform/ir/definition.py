@@ -81,17 +81,44 @@ def _largest_buffer(tensors: list[te.Tensor]) -> int:
 
 def _prim_func(tensors: list[te.Tensor], symbol: str) -> tirx.PrimFunc:
     """The PrimFunc of ``tensors``, indexed in int32 (fast, and what the tuning records hold)
-    unless a buffer of the graph has more elements than int32 can index; then in int64."""
-    big = _largest_buffer(tensors) > INT32_MAX
+    unless a buffer of the graph has more elements than int32 can index; then in int64. A
+    symbolic PrimFunc is indexed in int32: calls whose buffers pass 2^31 elements take a
+    static kernel instead."""
+    symbolic_sizes = any(not isinstance(e, tirx.IntImm) for t in tensors for e in t.shape)
+    big = not symbolic_sizes and _largest_buffer(tensors) > INT32_MAX
     func = te.create_prim_func(tensors, index_dtype_override="int64" if big else None)
     return func.with_attr("global_symbol", symbol)
 
 
-def padded_pixels(pixels: int, quantum: int = PIXEL_QUANTUM) -> int:
-    """The pixel count the inner stages run over (unchanged up to one quantum)."""
+def padded_pixels(pixels, quantum: int = PIXEL_QUANTUM):
+    """The pixel count the inner stages run over: unchanged up to one quantum, else the next
+    multiple of it; for a symbolic count (a PrimExpr), always the next multiple."""
+    if not isinstance(pixels, int):
+        return (pixels + (quantum - 1)) // quantum * quantum
     if pixels <= quantum:
         return pixels
     return -(-pixels // quantum) * quantum
+
+
+def _value(number, dtype: str):
+    """``number`` (an int, or a symbolic size) as a ``dtype`` expression."""
+    return tirx.const(number, dtype) if isinstance(number, int) else number.astype(dtype)
+
+
+def symbolic(shape: ConvShape) -> ConvShape:
+    """``shape`` with its batch, height and width as TIR variables (``n``, ``h``, ``w``): its
+    output size and pixel count become expressions of them, and a PrimFunc defined on it takes
+    every size, its variables bound from its input's shape at each call."""
+    return dataclasses.replace(
+        shape,
+        batch=tirx.Var("n", "int32"),
+        height=tirx.Var("h", "int32"),
+        width=tirx.Var("w", "int32"),
+    )
+
+
+def is_symbolic(shape: ConvShape) -> bool:
+    return not isinstance(shape.height, int)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +183,22 @@ class ConvShape:
             * self.out_w
         )
 
+    def any_size(self) -> ConvShape:
+        """The layer of this shape, its batch, height and width left out (0): what a kernel
+        for every size (``forward(..., sizes="symbolic")``) is defined and keyed by."""
+        return dataclasses.replace(self, batch=0, height=0, width=0)
+
+    def largest_forward_buffer(self) -> int:
+        """Elements of the forward's largest buffer, intermediate ones included (the sampled
+        columns): a kernel indexed in int32 takes calls up to ``INT32_MAX``."""
+        pixels = padded_pixels(self.out_h * self.out_w)
+        return self.batch * max(
+            self.in_channels * self.height * self.width,
+            self.in_channels * self.taps * pixels,
+            self.out_channels * pixels,
+            3 * self.offset_groups * self.taps * pixels,
+        )
+
     def buffer_shapes(self, layout: str = "NCHW") -> dict[str, tuple[int, ...]]:
         """Shapes of the PrimFunc's buffers, in argument order (absent optional ones left out);
         ``layout`` is the input's (see :func:`forward`)."""
@@ -197,17 +240,39 @@ class _Sampling:
         self.acc = shape.accumulator_dtype
         self.pixels = shape.out_h * shape.out_w
         self.padded = padded_pixels(self.pixels, quantum)
+        # With a symbolic output width, ``p // out_w`` is an integer division per sample point,
+        # which no vector unit has (it made the forward twice as slow): the window's corner of
+        # each pixel is computed once, in a stage of its own, and the geometry reads it.
+        self.pixel_base = None
+        if not isinstance(shape.out_w, int):
+            self.pixel_base = te.compute(
+                (2, self.padded),
+                lambda axis, p: te.if_then_else(
+                    axis == 0,
+                    (self.source(p) // shape.out_w) * shape.stride_h - shape.pad_h,
+                    (self.source(p) % shape.out_w) * shape.stride_w - shape.pad_w,
+                ),
+                name="pixel_base",
+            )
 
     def source(self, p):
         """The real pixel a (possibly padding) pixel index reads its offset and mask from."""
-        return te.min(p, self.pixels - 1) if self.padded != self.pixels else p
+        if isinstance(self.pixels, int) and self.padded == self.pixels:
+            return p
+        return te.min(p, self.pixels - 1)
 
     def point(self, n, g, k, p, axis):
         """(coordinate, clamped floor, image size) of the sample point along ``axis`` (0: y,
         1: x)."""
         shape, acc = self.shape, self.acc
+        window = self.pixel_base[axis, p] if self.pixel_base is not None else None
         p = self.source(p)
-        if axis == 0:
+        if window is not None:
+            if axis == 0:
+                base, size = window + (k // shape.kernel_w) * shape.dilation_h, shape.height
+            else:
+                base, size = window + (k % shape.kernel_w) * shape.dilation_w, shape.width
+        elif axis == 0:
             base = (
                 (p // shape.out_w) * shape.stride_h
                 - shape.pad_h
@@ -224,7 +289,7 @@ class _Sampling:
         coord = base.astype(acc) + self.offset[n, g * 2 * shape.taps + 2 * k + axis, p].astype(acc)
         # Clamping before the int conversion keeps huge or non-finite offsets from overflowing
         # the index; a clamped point is outside (-1, size) and gets a zero coefficient anyway.
-        limited = te.min(te.max(coord, tirx.const(-1, acc)), tirx.const(size, acc))
+        limited = te.min(te.max(coord, tirx.const(-1, acc)), _value(size, acc))
         return coord, te.floor(limited).astype("int32"), size
 
     def clamped_index(self, n, g, k, r, p, axis):
@@ -263,9 +328,9 @@ class _Sampling:
         low = tirx.const(-1, acc)
         return tirx.all(
             y >= low if closed else y > low,
-            y < tirx.const(h_, acc),
+            y < _value(h_, acc),
             x >= low if closed else x > low,
-            x < tirx.const(w_, acc),
+            x < _value(w_, acc),
             *in_image,
         )
 
@@ -427,6 +492,8 @@ def forward(
     layout: str = "NCHW",
     column_dtype: str | None = None,
     pixel_quantum: int = PIXEL_QUANTUM,
+    sizes: str = "static",
+    min_pixels: int = 0,
 ) -> tirx.PrimFunc:
     """The forward PrimFunc of ``shape``, unscheduled, named ``deform_conv2d``.
 
@@ -449,9 +516,23 @@ def forward(
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if sizes not in SIZES:
+        raise ValueError(f"sizes must be one of {SIZES}, got {sizes!r}")
+    if sizes == "symbolic":
+        shape = symbolic(shape)
     tensors = forward_tensors(shape, layout, column_dtype, pixel_quantum)
     func = _prim_func(tensors, "deform_conv2d")
+    if sizes == "symbolic":
+        # What a schedule may assume of the sizes it cannot see: the pixel axis is a multiple
+        # of the quantum, and (the call-time variant) at least ``min_pixels`` long.
+        func = func.with_attr("pixel_quantum", pixel_quantum)
+        func = func.with_attr("min_pixels", max(min_pixels, 1))
     return func.with_attr("data_layout", layout) if layout != "NCHW" else func
+
+
+#: the kinds of PrimFunc the definition gives: "static" (every size fixed: a kernel per input
+#: size) or "symbolic" (batch, height and width as variables: one kernel for every size)
+SIZES = ("static", "symbolic")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -294,6 +294,8 @@ def get_kernel(
     tuned = env.tuned_enabled() if tuned is None else tuned
 
     def load() -> Kernel:
+        if any_size(shape, target, tuned, layout):
+            return _any_size_kernel(shape, target, layout)
         op = "forward" if layout == "NCHW" else f"forward_{layout.lower()}"
         key = _index_key(op, shape, target, tuned and layout == "NCHW")
         module = _from_index(key)
@@ -305,6 +307,41 @@ def get_kernel(
         return kernel
 
     return _memoised(("forward", shape, layout, _target_text(target), tuned), load)
+
+
+def any_size(shape: ConvShape, target: Target, tuned: bool, layout: str = "NCHW") -> bool:
+    """Whether ``shape``'s forward runs a kernel compiled for every size of its layer (batch,
+    height and width symbolic), not one for its own size: on CPUs, unless
+    ``TVM_DEFORM_SIZES=static``, the call's buffers pass 2^31 elements (int32 indices), or the
+    tuning logs hold records of exactly this shape (a tuned kernel of its size is faster)."""
+    return (
+        env.sizes() == "any"
+        and target.kind.name == "llvm"
+        and shape.largest_forward_buffer() <= definition.INT32_MAX
+        and not (tuned and layout == "NCHW" and shape in records.tuned_shapes(target))
+    )
+
+
+def _any_size_kernel(shape: ConvShape, target: Target, layout: str) -> Kernel:
+    """The kernel of ``shape``'s layer for every size, in the variant for ``shape``'s map size
+    (see :func:`tvm_deform.schedules.pixel_classes`), memoised by the layer: a call of a new
+    size finds it in memory."""
+    pixels = definition.padded_pixels(shape.out_h * shape.out_w)
+    min_pixels = max(c for c in schedules.pixel_classes(shape, target) if pixels >= c)
+    layer = shape.any_size()
+    op = f"forward_any_size_{min_pixels}" + ("" if layout == "NCHW" else f"_{layout.lower()}")
+
+    def load() -> Kernel:
+        module = _load_module(
+            cache_path(layer, target, "default", op),
+            lambda: compile_schedule(
+                schedules.forward_schedule(layer, target, layout, min_pixels), target
+            ),
+            _describe(layer, target, op, "default"),
+        )
+        return module["deform_conv2d"]
+
+    return _memoised(("forward", layer, layout, min_pixels, _target_text(target)), load)
 
 
 @functools.lru_cache(maxsize=64)
@@ -472,8 +509,9 @@ _tvm_pool_in_use = False
 def _describe(shape: ConvShape, target: Target, op: str, schedule: str) -> str:
     """A kernel in words, for the progress messages."""
     s = shape
+    size = "any size" if s.height == 0 else f"{s.batch}x{s.in_channels}x{s.height}x{s.width}"
     layer = (
-        f"{s.batch}x{s.in_channels}x{s.height}x{s.width} -> {s.out_channels}, "
+        f"{size}, {s.in_channels} -> {s.out_channels} channels, "
         f"{s.kernel_h}x{s.kernel_w} kernel, {s.dtype}"
     )
     where = hardware_key(target)

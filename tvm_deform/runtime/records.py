@@ -332,6 +332,37 @@ def forget_databases() -> None:
     """Drop the databases read so far (after the log files changed)."""
     _database.cache_clear()
     _fingerprint.cache_clear()
+    _tuned_shapes.cache_clear()
+
+
+def tuned_shapes(target: Target, op: str = "forward") -> frozenset[ConvShape]:
+    """The shapes whose ``op`` the logs of ``target``'s hardware key or a compatible one hold
+    records of, read from their manifests (no database is opened): the shapes for which a
+    kernel of their exact size may be faster than the one for any size."""
+    from tvm_deform.runtime.targets import hardware_key
+
+    roots = tuple(str(root) for root in log_roots())
+    return _tuned_shapes(roots, str(target), hardware_key(target), op)
+
+
+@functools.cache
+def _tuned_shapes(roots: tuple[str, ...], target_text: str, key: str, op: str) -> frozenset:
+    target = Target(target_text)
+    shapes = set()
+    for root in map(Path, roots):
+        if not root.is_dir():
+            continue
+        for candidate in candidate_keys(root, target, key):
+            for name, spaces in _manifest(root / candidate).get("workloads", {}).items():
+                if (op == "backward") != name.endswith(":backward"):
+                    continue
+                for entry in spaces.values():
+                    if isinstance(entry, dict) and "shape" in entry:
+                        try:
+                            shapes.add(ConvShape(**entry["shape"]))
+                        except TypeError:
+                            continue  # a manifest of another version's fields
+    return frozenset(shapes)
 
 
 def logs_fingerprint() -> str:
