@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 from tvm.target import Target
+from tvm_deform.schedules.common import lanes
 from tvm_deform.schedules.cpu import ColumnTileCPU, InlineCPU, OutputChannelCPU
 from tvm_deform.schedules.cpu import pixel_classes as cpu_pixel_classes
 from tvm_deform.schedules.cpu import pixel_quantum as cpu_pixel_quantum
@@ -85,6 +86,12 @@ def pixel_classes(shape: ConvShape, target: Target) -> tuple[int, ...]:
     if target.kind.name == "llvm":
         return cpu_pixel_classes(shape, target)
     return (1,)
+
+
+def backward_pixel_quantum(shape: ConvShape, target: Target) -> int:
+    """The multiple the backward kernels for any size of ``shape``'s layer pad the pixels to:
+    two vectors of the accumulator, the default's widest pixel tile."""
+    return 2 * lanes(target, shape.accumulator_dtype)
 
 
 def forward_schedule(

@@ -27,24 +27,39 @@ from __future__ import annotations
 
 import dataclasses
 
-from tvm import s_tir, tirx
+from tvm import s_tir, sym, tirx
 from tvm.target import Target
-from tvm_deform.schedules.common import extents, largest_divisor
 from tvm_deform.schedules.common import lanes as vector_lanes
+from tvm_deform.schedules.common import largest_divisor
 from tvm_deform.schedules.rule import Choices, Rule
 
 
-def _pixel_tile(pixels: int, lanes: int, vectors: int = 2) -> int:
-    """A tile of the pixel axis that divides it (the definition pads it to do so)."""
+def _pixel_tile(pixels, lanes: int, vectors: int = 2) -> int:
+    """A tile of the pixel axis that divides it (the definition pads it to do so; a symbolic
+    axis to a multiple of its quantum, which the kernels for any size make a multiple of two
+    vectors)."""
+    if not isinstance(pixels, int):
+        return lanes * vectors
     tile = min(lanes * vectors, pixels)
     return tile if pixels % tile == 0 else pixels
 
 
 def _elementwise(sch: s_tir.Schedule, block, lanes: int) -> None:
-    """Parallel over every loop but the last, which is split and vectorised when it divides."""
+    """Parallel over every loop but the last, which is split and vectorised when it divides.
+    A symbolic last loop is split when the PrimFunc's pixel quantum divides it, else left
+    scalar."""
     loops = sch.get_loops(block)
     *outer, last = loops
-    extent = extents(sch, [last])[0]
+    extent = sch.get(last).extent
+    if not isinstance(extent, tirx.IntImm):
+        if _divides_padded(sch, extent, lanes):
+            last_outer, last_inner = sch.split(last, [None, lanes])
+            outer.append(last_outer)
+            sch.vectorize(last_inner)
+        if outer:
+            sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+        return
+    extent = int(extent)
     if extent % lanes == 0 and extent > lanes:
         last_outer, last_inner = sch.split(last, [None, lanes])
         outer.append(last_outer)
@@ -53,6 +68,17 @@ def _elementwise(sch: s_tir.Schedule, block, lanes: int) -> None:
         sch.vectorize(last)
     if outer:
         sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+
+
+def _divides_padded(sch: s_tir.Schedule, extent, lanes: int) -> bool:
+    """Whether ``lanes`` divides the symbolic ``extent``: an axis padded to the PrimFunc's pixel
+    quantum (a multiple of ``lanes``) does; the unpadded pixels of the offset and mask do not."""
+    attrs = sch.mod["main"].attrs
+    quantum = int(attrs["pixel_quantum"]) if attrs is not None and "pixel_quantum" in attrs else 0
+    if not quantum or quantum % lanes:
+        return False
+    analyzer = sym.Analyzer()
+    return analyzer.can_prove_equal(tirx.floormod(extent, quantum), 0)
 
 
 def _vectorize_pixels(sch: s_tir.Schedule, p_inner, write_back, tile) -> None:
@@ -153,10 +179,11 @@ def backward_extents(sch: s_tir.Schedule) -> tuple[int, int, int, int]:
     columns = _block(sch, "grad_columns")
     if columns is None:
         columns = sch.get_sblock("columns")
-    _, channels, taps, pixels = extents(sch, sch.get_loops(columns))[:4]
+    _, channels, taps, pixels = (sch.get(loop).extent for loop in sch.get_loops(columns)[:4])
+    pixels = int(pixels) if isinstance(pixels, tirx.IntImm) else pixels
     weight_sum = _block(sch, "weight_sum")
-    outputs = extents(sch, sch.get_loops(weight_sum))[0] if weight_sum is not None else 1
-    return channels, pixels, outputs, taps
+    outputs = int(sch.get(sch.get_loops(weight_sum)[0]).extent) if weight_sum is not None else 1
+    return int(channels), pixels, outputs, int(taps)
 
 
 def backward_lanes(sch: s_tir.Schedule, target: Target) -> int:
@@ -217,8 +244,10 @@ def _sampling_grad(sch: s_tir.Schedule, tile) -> None:
 def _weight_sum(sch: s_tir.Schedule, lanes: int, outputs_per_block) -> None:
     block = sch.get_sblock("weight_sum")
     o, c, k, wn, wp = sch.get_loops(block)
-    pixels = extents(sch, [wp])[0]
-    if pixels % lanes or pixels <= lanes:
+    pixels = sch.get(wp).extent
+    if not isinstance(pixels, tirx.IntImm):
+        pixels = lanes * 2 if _divides_padded(sch, pixels, lanes) else 1  # any size
+    if int(pixels) % lanes or int(pixels) <= lanes:
         sch.parallel(o)
         return
     wp_outer, wp_inner = sch.split(wp, [None, lanes])

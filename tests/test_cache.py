@@ -32,6 +32,8 @@ def cache_dir(tmp_path, monkeypatch):
     directory = tmp_path / "cache"
     monkeypatch.setenv("TVM_DEFORM_CACHE_DIR", str(directory))
     monkeypatch.setenv("TVM_DEFORM_TUNED", "0")
+    # A kernel per size, so that each of SHAPES has a file of its own.
+    monkeypatch.setenv("TVM_DEFORM_SIZES", "static")
     kernels.clear_memory_cache()
     yield directory
     kernels.clear_memory_cache()
@@ -143,7 +145,7 @@ def test_two_processes_compiling_one_kernel_leave_one_good_file(cache_dir, tmp_p
     go.touch()
     results = [run.communicate(timeout=300) for run in runs]
     assert all(run.returncode == 0 for run in runs), results
-    compiled = [err.count("compiled the forward kernel") for _, err in results]
+    compiled = [err.count("compiled the ") for _, err in results]
     assert sorted(compiled) == [0, 1], results  # one compiled, the other loaded its file
     sums = {out.split("sum")[-1].strip() for out, _ in results}
     assert len(sums) == 1
@@ -191,11 +193,12 @@ print("sum", float(out.double().sum()), float(x.grad.double().sum()))
 """
 
 
-def test_a_warm_process_finds_its_kernels_without_a_primfunc_or_a_database(cache_dir):
+@pytest.mark.parametrize("sizes", ["any", "static"])
+def test_a_warm_process_finds_its_kernels_without_a_primfunc_or_a_database(cache_dir, sizes):
     # The first process compiles (with the shipped logs looked at); the second finds the same
-    # kernels through the index, forward and backward, with the definition and the databases
-    # made to raise.
-    env = os.environ | {"TVM_DEFORM_CACHE_DIR": str(cache_dir)}
+    # kernels (the forward's for any size, or for this size through the index, and the
+    # backward's through the index), with the definition and the databases made to raise.
+    env = os.environ | {"TVM_DEFORM_CACHE_DIR": str(cache_dir), "TVM_DEFORM_SIZES": sizes}
     env.pop("TVM_DEFORM_TUNED", None)
     outputs = []
     for mode in ("cold", "warm"):

@@ -90,12 +90,13 @@ def _prim_func(tensors: list[te.Tensor], symbol: str) -> tirx.PrimFunc:
     return func.with_attr("global_symbol", symbol)
 
 
-def padded_pixels(pixels, quantum: int = PIXEL_QUANTUM):
+def padded_pixels(pixels, quantum: int = PIXEL_QUANTUM, always: bool = False):
     """The pixel count the inner stages run over: unchanged up to one quantum, else the next
-    multiple of it; for a symbolic count (a PrimExpr), always the next multiple."""
+    multiple of it; for a symbolic count (a PrimExpr), or with ``always`` (the count a kernel
+    for any size pads a call's pixels to), always the next multiple."""
     if not isinstance(pixels, int):
         return (pixels + (quantum - 1)) // quantum * quantum
-    if pixels <= quantum:
+    if pixels <= quantum and not always:
         return pixels
     return -(-pixels // quantum) * quantum
 
@@ -564,17 +565,21 @@ ALL_GRADIENTS = Gradients()
 
 
 def backward_buffer_shapes(
-    shape: ConvShape, gradients: Gradients = ALL_GRADIENTS
+    shape: ConvShape,
+    gradients: Gradients = ALL_GRADIENTS,
+    quantum: int = PIXEL_QUANTUM,
+    any_size: bool = False,
 ) -> dict[str, tuple[int, ...]]:
     """Shapes of the buffers the backward kernels add to :meth:`ConvShape.buffer_shapes`, for
-    the ``gradients`` asked for.
+    the ``gradients`` asked for, their pixels padded to ``quantum`` (always, for the kernels
+    for any size: ``any_size``).
 
     ``grad_output`` is padded to the padded pixel count (with zeros) by the caller; the
     ``grad_columns`` and ``sample_*`` buffers are workspaces that the first backward kernel
     writes and the second reads.
     """
     forward_shapes = shape.buffer_shapes()
-    padded = padded_pixels(shape.out_h * shape.out_w)
+    padded = padded_pixels(shape.out_h * shape.out_w, quantum, always=any_size)
     geometry = (shape.batch, shape.offset_groups, shape.taps)
     shapes = {"grad_output": (shape.batch, shape.out_channels, padded)}
     if gradients.needs_grad_columns:
@@ -597,7 +602,9 @@ def backward_buffer_shapes(
     return shapes
 
 
-def backward_tensors(shape: ConvShape, gradients: Gradients = ALL_GRADIENTS) -> list[te.Tensor]:
+def backward_tensors(
+    shape: ConvShape, gradients: Gradients = ALL_GRADIENTS, quantum: int = PIXEL_QUANTUM
+) -> list[te.Tensor]:
     """The TE tensors of the first backward kernel: inputs, then workspaces and gradients, of
     the stages that ``gradients`` needs.
 
@@ -618,32 +625,34 @@ def backward_tensors(shape: ConvShape, gradients: Gradients = ALL_GRADIENTS) -> 
     The input's gradient is a scatter (each sample adds into four input pixels), which TE cannot
     express; :func:`grad_input` does it from the workspaces this kernel writes.
     """
-    shapes = backward_buffer_shapes(shape, gradients)
+    shapes = backward_buffer_shapes(shape, gradients, quantum)
     data, offset, mask, weight, bias = _placeholders(shape)
     grad_output = te.placeholder(shapes["grad_output"], shape.dtype, name="grad_output")
-    sampling = _Sampling(shape, offset, mask)
+    sampling = _Sampling(shape, offset, mask, quantum)
     geometry = sampling.geometry()
     inputs = [t for t in (data, offset, mask, weight, grad_output) if t is not None]
     outputs = [*geometry]
     if gradients.needs_grad_columns:
-        grad_columns = _grad_columns(shape, weight, grad_output)
+        grad_columns = _grad_columns(shape, weight, grad_output, shapes["grad_columns"])
         outputs.insert(0, grad_columns)
         if gradients.sampling:
             outputs += _sampling_gradients(shape, data, sampling, geometry, grad_columns)
     if gradients.weight:
-        outputs += _weight_gradients(shape, data, grad_output, geometry, has_bias=bias is not None)
+        has_bias = bias is not None
+        outputs += _weight_gradients(shape, data, grad_output, geometry, sampling, has_bias)
     return [*inputs, *outputs]
 
 
-def _grad_columns(shape: ConvShape, weight: te.Tensor, grad_output: te.Tensor) -> te.Tensor:
+def _grad_columns(
+    shape: ConvShape, weight: te.Tensor, grad_output: te.Tensor, size: tuple
+) -> te.Tensor:
     acc = shape.accumulator_dtype
     weight_in = shape.in_channels // shape.weight_groups
     out_per_group = shape.out_channels // shape.weight_groups
-    shapes = backward_buffer_shapes(shape)
 
     ro = te.reduce_axis((0, out_per_group), name="ro")
     return te.compute(
-        shapes["grad_columns"],
+        size,
         lambda n, c, k, p: te.sum(
             weight[(c // weight_in) * out_per_group + ro, c % weight_in, k].astype(acc)
             * grad_output[n, (c // weight_in) * out_per_group + ro, p].astype(acc),
@@ -659,10 +668,10 @@ def _sampling_gradients(
     """``grad_offset`` and, with a mask, ``grad_mask``."""
     dtype, acc = shape.dtype, shape.accumulator_dtype
     n_, taps = shape.batch, shape.taps
-    padded = padded_pixels(shape.out_h * shape.out_w)
+    padded = sampling.padded
     groups = shape.offset_groups
     channels_per_offset_group = shape.in_channels // groups
-    shapes = backward_buffer_shapes(shape)
+    shapes = shape.buffer_shapes()
     sample_rows, sample_cols, _ = geometry
     mask = sampling.mask
 
@@ -700,7 +709,7 @@ def _sampling_gradients(
         (n_, groups, taps, terms, padded), sampling_term, name="sampling_grad"
     )
     grad_offset = te.compute(
-        shapes["grad_offset"],
+        shapes["offset"],
         lambda n, ch, p: sampling_grad[
             n, ch // (2 * taps), (ch % (2 * taps)) // 2, ch % 2 + 1 - first_term, p
         ].astype(dtype),
@@ -709,7 +718,7 @@ def _sampling_gradients(
     grad_mask = None
     if mask is not None:
         grad_mask = te.compute(
-            shapes["grad_mask"],
+            shapes["mask"],
             lambda n, ch, p: sampling_grad[n, ch // taps, ch % taps, 0, p].astype(dtype),
             name="grad_mask",
         )
@@ -717,15 +726,20 @@ def _sampling_gradients(
 
 
 def _weight_gradients(
-    shape: ConvShape, data: te.Tensor, grad_output: te.Tensor, geometry, has_bias: bool
+    shape: ConvShape,
+    data: te.Tensor,
+    grad_output: te.Tensor,
+    geometry,
+    sampling: _Sampling,
+    has_bias: bool,
 ) -> list[te.Tensor]:
     """``grad_weight`` and, with a bias, ``grad_bias``."""
     dtype, acc = shape.dtype, shape.accumulator_dtype
     n_ = shape.batch
-    padded = padded_pixels(shape.out_h * shape.out_w)
+    padded = sampling.padded
     weight_in = shape.in_channels // shape.weight_groups
     out_per_group = shape.out_channels // shape.weight_groups
-    shapes = backward_buffer_shapes(shape)
+    shapes = {"grad_weight": shape.buffer_shapes()["weight"], "grad_bias": (shape.out_channels,)}
 
     columns = _columns(shape, data, geometry, padded)
     wn = te.reduce_axis((0, n_), name="wn")
@@ -760,7 +774,12 @@ def _weight_gradients(
     return [t for t in (grad_weight, grad_bias) if t is not None]
 
 
-def backward(shape: ConvShape, gradients: Gradients = ALL_GRADIENTS) -> tirx.PrimFunc:
+def backward(
+    shape: ConvShape,
+    gradients: Gradients = ALL_GRADIENTS,
+    sizes: str = "static",
+    pixel_quantum: int = PIXEL_QUANTUM,
+) -> tirx.PrimFunc:
     """The first backward PrimFunc of ``shape``, unscheduled, named ``deform_conv2d_backward``.
 
     Arguments, in order: data, offset, mask (if ``has_mask``), weight, grad_output, then the
@@ -769,11 +788,24 @@ def backward(shape: ConvShape, gradients: Gradients = ALL_GRADIENTS) -> tirx.Pri
     :func:`backward_buffer_shapes` gives them. Buffers of the stages ``gradients`` does not need
     are left out (``grad_columns`` when neither the input's nor the sampling gradients are asked
     for).
+
+    ``sizes="symbolic"``: batch, height and width as variables (a kernel for every size), its
+    pixels padded to a multiple of ``pixel_quantum`` always, as for :func:`forward`.
     """
-    return _prim_func(backward_tensors(shape, gradients), "deform_conv2d_backward")
+    if sizes == "symbolic":
+        shape = symbolic(shape)
+    func = _prim_func(backward_tensors(shape, gradients, pixel_quantum), "deform_conv2d_backward")
+    if sizes == "symbolic":
+        func = func.with_attr("pixel_quantum", pixel_quantum)
+    return func
 
 
-def grad_input(shape: ConvShape, plane_scope: str = "global") -> tirx.PrimFunc:
+def grad_input(
+    shape: ConvShape,
+    plane_scope: str = "global",
+    sizes: str = "static",
+    pixel_quantum: int = PIXEL_QUANTUM,
+) -> tirx.PrimFunc:
     """The second backward PrimFunc, ``deform_conv2d_grad_input``: the input's gradient.
 
     Each (n, c) image plane is filled by one block, which adds every sample's gradient
@@ -784,13 +816,18 @@ def grad_input(shape: ConvShape, plane_scope: str = "global") -> tirx.PrimFunc:
     atomics and the result is bit-identical from run to run.
 
     Arguments: grad_columns, sample_rows, sample_cols, sample_coef (written by
-    :func:`backward`), grad_input.
+    :func:`backward`), grad_input. ``sizes`` and ``pixel_quantum`` as for :func:`backward`.
     """
     dtype, acc = shape.dtype, shape.accumulator_dtype
-    shapes = backward_buffer_shapes(shape)
-    largest = max(math.prod(s) for s in shapes.values())
-    # Indexed in int64 when a buffer passes int32's range, as :func:`_prim_func` does.
-    size = (lambda v: tirx.IntImm("int64", v)) if largest > INT32_MAX else int
+    if sizes == "symbolic":
+        shape = symbolic(shape)
+        size = lambda v: v  # noqa: E731 - sizes and expressions as they are, in int32
+    else:
+        shapes = backward_buffer_shapes(shape, quantum=pixel_quantum)
+        largest = max(math.prod(s) for s in shapes.values())
+        # Indexed in int64 when a buffer passes int32's range, as :func:`_prim_func` does.
+        size = (lambda v: tirx.IntImm("int64", v)) if largest > INT32_MAX else int
+    shapes = backward_buffer_shapes(shape, quantum=pixel_quantum)
     n_, c_, h_, w_, taps = map(
         size, (shape.batch, shape.in_channels, shape.height, shape.width, shape.taps)
     )
@@ -835,4 +872,6 @@ def grad_input(shape: ConvShape, plane_scope: str = "global") -> tirx.PrimFunc:
                 for y, x in T.grid(h_, w_):
                     grad_input[vn, vc, y, x] = T.cast(plane[y, x], dtype)
 
+    if sizes == "symbolic":
+        func = func.with_attr("pixel_quantum", pixel_quantum)
     return func

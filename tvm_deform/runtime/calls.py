@@ -169,7 +169,9 @@ def _run_backward_kernels(
     arguments :func:`definition.backward` and :func:`definition.grad_input` take."""
     grad_input, grad_offset, grad_mask, grad_weight, grad_bias = grads
     pixels = shape.out_h * shape.out_w
-    shapes = definition.backward_buffer_shapes(shape, gradients)
+    shapes = definition.backward_buffer_shapes(
+        shape, gradients, compiled.quantum, compiled.any_size
+    )
     grad_output = grad_output.contiguous().view(shape.batch, shape.out_channels, pixels)
     padded = shapes["grad_output"][-1]
     if padded != pixels:

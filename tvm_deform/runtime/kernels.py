@@ -57,6 +57,11 @@ class BackwardKernels(NamedTuple):
     #: ``deform_conv2d_grad_input``: the input's gradient, from those workspaces (None when the
     #: input's gradient is not asked for)
     grad_input: Kernel | None
+    #: how the kernels pad the pixels of their workspaces (see
+    #: :func:`tvm_deform.ir.definition.backward_buffer_shapes`): to this quantum, and always
+    #: (kernels for any size) or only past one quantum
+    quantum: int = definition.PIXEL_QUANTUM
+    any_size: bool = False
 
 
 @functools.cache
@@ -151,6 +156,9 @@ def compile_candidates(
     with its input in ``layout``, or "backward" computing ``gradients``) may run (see
     :func:`candidates`); for ahead-of-time compiling in parallel processes, which leaves the
     timing among them to the first use."""
+    if op == "forward" and any_size(shape, target, env.tuned_enabled(), layout):
+        _any_size_kernel(shape, target, layout)
+        return
     if op == "forward" and layout != "NCHW":
         load_kernel(shape, target, None, layout)
         return
@@ -217,17 +225,24 @@ def compile_backward(
     target: Target,
     record: records.TunedRecord | None = None,
     gradients: definition.Gradients = definition.ALL_GRADIENTS,
+    quantum: int | None = None,
 ) -> tvm.runtime.Module:
     """Compile the backward kernels of ``shape`` for ``target`` that compute ``gradients``
     into one module: the gradients kernel with ``record``'s tuned schedule when given (records
     are of the kernel computing all gradients), else the default one; the input's scatter
-    kernel, when the input's gradient is asked for, with its default schedule."""
+    kernel, when the input's gradient is asked for, with its default schedule. With
+    ``quantum``, the kernels for any size of ``shape``'s layer, their pixels padded to it."""
+    sizes = "static" if quantum is None else "symbolic"
+    quantum = quantum or definition.PIXEL_QUANTUM
     if record is not None:
-        if gradients != definition.ALL_GRADIENTS:
-            raise ValueError("tuned records are of the backward that computes every gradient")
+        if gradients != definition.ALL_GRADIENTS or sizes != "static":
+            raise ValueError("tuned records are of the static backward of every gradient")
         sch = records.tuned_schedule(shape, record, "backward")
-    else:
+    elif sizes == "static":
         sch = default_schedule(shape, target, "backward", gradients)
+    else:
+        func = definition.backward(shape, gradients, sizes, quantum)
+        sch = schedules.apply_default("backward", func, target)
     functions = {
         "deform_conv2d_backward": sch.mod["main"].with_attr(
             "global_symbol", "deform_conv2d_backward"
@@ -235,8 +250,8 @@ def compile_backward(
     }
     cuda = target.kind.name == "cuda"
     if gradients.input:
-        # On a GPU each thread fills its own image plane, in local memory.
-        func = definition.grad_input(shape, plane_scope="local" if cuda else "global")
+        scope = "local" if cuda else "global"  # on a GPU, each thread's plane is its own
+        func = definition.grad_input(shape, scope, sizes, quantum)
         scatter = schedules.apply_default("grad_input", func, target)
         functions["deform_conv2d_grad_input"] = scatter.mod["main"]
     if cuda:
@@ -309,16 +324,19 @@ def get_kernel(
     return _memoised(("forward", shape, layout, _target_text(target), tuned), load)
 
 
-def any_size(shape: ConvShape, target: Target, tuned: bool, layout: str = "NCHW") -> bool:
-    """Whether ``shape``'s forward runs a kernel compiled for every size of its layer (batch,
-    height and width symbolic), not one for its own size: on CPUs, unless
-    ``TVM_DEFORM_SIZES=static``, the call's buffers pass 2^31 elements (int32 indices), or the
-    tuning logs hold records of exactly this shape (a tuned kernel of its size is faster)."""
+def any_size(
+    shape: ConvShape, target: Target, tuned: bool, layout: str = "NCHW", op: str = "forward"
+) -> bool:
+    """Whether ``shape``'s ``op`` ("forward" or "backward") runs kernels compiled for every
+    size of its layer (batch, height and width symbolic), not for its own size: on CPUs,
+    unless ``TVM_DEFORM_SIZES=static``, the call's buffers pass 2^31 elements (int32 indices),
+    or the tuning logs hold records of exactly this shape (``tuned``: a tuned kernel of its
+    size is faster)."""
     return (
         env.sizes() == "any"
         and target.kind.name == "llvm"
         and shape.largest_forward_buffer() <= definition.INT32_MAX
-        and not (tuned and layout == "NCHW" and shape in records.tuned_shapes(target))
+        and not (tuned and layout == "NCHW" and shape in records.tuned_shapes(target, op))
     )
 
 
@@ -397,6 +415,8 @@ def get_backward(
 
     def load() -> BackwardKernels:
         every = gradients == definition.ALL_GRADIENTS
+        if any_size(shape, target, tuned and every, op="backward"):
+            return _any_size_backward(shape, target, gradients)
         op = "backward" if every else f"backward_{gradients.name}"
         key = _index_key(op, shape, target, tuned and every)
         module = _from_index(key)
@@ -407,7 +427,28 @@ def get_backward(
         _add_to_index(key, cache_path(shape, target, _schedule_name(record), op))
         return found
 
-    return _memoised(("backward", shape, gradients, str(target), tuned), load)
+    return _memoised(("backward", shape, gradients, _target_text(target), tuned), load)
+
+
+def _any_size_backward(
+    shape: ConvShape, target: Target, gradients: definition.Gradients
+) -> BackwardKernels:
+    """The backward kernels of ``shape``'s layer for every size, memoised by the layer."""
+    quantum = schedules.backward_pixel_quantum(shape, target)
+    layer = shape.any_size()
+    op = "backward_any_size" + (
+        "" if gradients == definition.ALL_GRADIENTS else f"_{gradients.name}"
+    )
+
+    def load() -> BackwardKernels:
+        module = _load_module(
+            cache_path(layer, target, "default", op),
+            lambda: compile_backward(layer, target, None, gradients, quantum),
+            _describe(layer, target, op, "default"),
+        )
+        return _backward_kernels(module, gradients)._replace(quantum=quantum, any_size=True)
+
+    return _memoised(("backward", layer, gradients, _target_text(target), "any"), load)
 
 
 def load_backward(
