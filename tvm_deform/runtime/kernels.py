@@ -343,10 +343,16 @@ def any_size(
 def _any_size_kernel(shape: ConvShape, target: Target, layout: str) -> Kernel:
     """The kernel of ``shape``'s layer for every size, in the variant for ``shape``'s map size
     (see :func:`tvm_deform.schedules.pixel_classes`), memoised by the layer: a call of a new
-    size finds it in memory."""
+    size finds it in memory. A layer's first call loads the kernels of all its size classes,
+    so that no later size compiles."""
     pixels = definition.padded_pixels(shape.out_h * shape.out_w)
-    min_pixels = max(c for c in schedules.pixel_classes(shape, target) if pixels >= c)
-    layer = shape.any_size()
+    classes = schedules.pixel_classes(shape, target)
+    chosen = max(c for c in classes if pixels >= c)
+    kernels = {c: _any_size_class(shape.any_size(), target, layout, c) for c in classes}
+    return kernels[chosen]
+
+
+def _any_size_class(layer: ConvShape, target: Target, layout: str, min_pixels: int) -> Kernel:
     op = f"forward_any_size_{min_pixels}" + ("" if layout == "NCHW" else f"_{layout.lower()}")
 
     def load() -> Kernel:
@@ -635,7 +641,7 @@ def _load_private(built: tvm.runtime.Module, name: str) -> tuple[tvm.runtime.Mod
 def _memoised(key: tuple, load: Callable):
     """``load()``, once per ``key`` and per log and pool settings (part of the key, so that
     changing them mid-process takes effect)."""
-    key = (*key, env.user_logs_dir(), env.launcher_enabled())
+    key = (*key, env.user_logs_dir(), env.launcher_enabled(), env.sizes())
     found = _memory.get(key)
     if found is not None:
         return found
