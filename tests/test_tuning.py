@@ -33,7 +33,14 @@ from tvm_deform.tools.tuning import (
 TINY = ConvShape(1, 8, 10, 10, 8, 3, 3, pad_h=1, pad_w=1, has_bias=True)
 
 
-pytestmark = pytest.mark.usefixtures("fresh_lookups")
+pytestmark = pytest.mark.usefixtures("fresh_lookups", "per_size_kernels")
+
+
+@pytest.fixture
+def per_size_kernels(monkeypatch):
+    """The kernels of one size, which the tuning records and the timing of other machines'
+    records are about (the kernels for any size take no records)."""
+    monkeypatch.setenv("TVM_DEFORM_SIZES", "static")
 
 
 @pytest.fixture(scope="module")

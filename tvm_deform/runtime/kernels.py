@@ -330,8 +330,10 @@ def any_size(
     """Whether ``shape``'s ``op`` ("forward" or "backward") runs kernels compiled for every
     size of its layer (batch, height and width symbolic), not for its own size: on CPUs,
     unless ``TVM_DEFORM_SIZES=static``, the call's buffers pass 2^31 elements (int32 indices),
-    or the tuning logs hold records of exactly this shape (``tuned``: a tuned kernel of its
-    size is faster)."""
+    or this machine's own tuning logs hold records of exactly this shape (``tuned``: a kernel
+    of its size tuned here is faster). Other machines' records do not count: timing them
+    here at a size's first use takes seconds, which a stream of sizes would pay again and
+    again (``TVM_DEFORM_SIZES=static`` times them, as before)."""
     return (
         env.sizes() == "any"
         and target.kind.name == "llvm"
