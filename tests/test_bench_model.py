@@ -14,6 +14,10 @@ from tvm_deform.tools.bench import Timing
 from tvm_deform.tools.cli import main
 from tvm_deform.tools.suite import load_suite
 
+#: the whole module is slow (many kernels, whole models or subprocesses): `pytest -m "not slow"`
+#: leaves it out of the quick loop; CI runs it
+pytestmark = pytest.mark.slow
+
 
 def dcn_input_shapes(size: int) -> dict[str, tuple[int, ...]]:
     """The input shape of every DCN layer of the backbone at ``size`` (dense variant: quick)."""

@@ -502,3 +502,45 @@ def test_indexes_link_every_file(index, folder, left_out):
         files.append((left_out / "README.md").resolve())
     unlisted = sorted(str(p.relative_to(ROOT)) for p in files if p not in linked)
     assert not unlisted, f"{index} does not link:\n" + "\n".join(unlisted)
+
+
+def test_the_readmes_python_runs_as_written(tmp_path, monkeypatch):
+    # The README's code is what a newcomer copies first: every block runs, in order, in one
+    # namespace (a later block may use an earlier one's names).
+    monkeypatch.setenv("TVM_DEFORM_CACHE_DIR", str(tmp_path / "cache"))
+    namespace: dict[str, object] = {}
+    blocks = python_blocks(ROOT / "README.md")
+    assert blocks, "the README has no Python block"
+    for line, code in blocks.items():
+        try:
+            exec(compile(code, f"README.md:{line}", "exec"), namespace)  # noqa: S102
+        except Exception as error:  # noqa: BLE001 - reported with its block
+            pytest.fail(f"README.md:{line}: {type(error).__name__}: {error}")
+
+
+@pytest.mark.slow
+def test_make_demo_runs_and_its_tables_fit_a_terminal(tmp_path, capsys):
+    # What `make demo` runs (peers and the plot left out, which `make demo` includes when they
+    # are installed): every line it prints fits 100 columns, unwrapped.
+    from tvm_deform.tools.cli import main
+
+    out = tmp_path / "results"
+    assert main(["demo", "--out", str(out)]) == 0
+    demo = capsys.readouterr().out
+    assert main(["compare", "--quick", "--no-peers", "--no-plot", "--out", str(out)]) == 0
+    compare = capsys.readouterr().out
+    assert "4338" in demo and (out / "demo.md").is_file() and (out / "compare.md").is_file()
+    tables = [table_lines(text) for text in (demo, compare)]
+    assert all(tables), "a brief table is missing"
+    wide = [line for table in tables for line in table if len(line) > 100]
+    assert not wide, "table lines wider than 100 columns:\n" + "\n".join(wide)
+
+
+def table_lines(text: str) -> list[str]:
+    """The lines of the brief table in ``text``: from its header to the next blank line."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if "ours ms" in line), None)
+    if start is None:
+        return []
+    end = next((i for i in range(start, len(lines)) if not lines[i].strip()), len(lines))
+    return lines[start:end]

@@ -25,7 +25,7 @@ SHAPE = ConvShape(1, 16, 12, 12, 16, 3, 3, pad_h=1, pad_w=1, has_bias=True)
 TRIALS = 6
 
 
-pytestmark = pytest.mark.usefixtures("fresh_lookups")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_lookups")]
 
 
 @pytest.fixture(scope="module")

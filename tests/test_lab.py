@@ -12,6 +12,10 @@ import pytest
 
 from tvm_deform.tools.suite import load_suite
 
+#: the whole module is slow (many kernels, whole models or subprocesses): `pytest -m "not slow"`
+#: leaves it out of the quick loop; CI runs it
+pytestmark = pytest.mark.slow
+
 SUITE = load_suite()
 
 

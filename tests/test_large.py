@@ -16,6 +16,10 @@ from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import kernels, targets
 from tvm_deform.tools import cuda_build
 
+#: the whole module is slow (many kernels, whole models or subprocesses): `pytest -m "not slow"`
+#: leaves it out of the quick loop; CI runs it
+pytestmark = pytest.mark.slow
+
 #: the smallest square side whose plane passes 2**31 - 1 elements; a stride of 331 puts the
 #: last output row on the last image row (46340 = 140 * 331)
 SIDE = 46341

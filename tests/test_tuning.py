@@ -33,7 +33,7 @@ from tvm_deform.tools.tuning import (
 TINY = ConvShape(1, 8, 10, 10, 8, 3, 3, pad_h=1, pad_w=1, has_bias=True)
 
 
-pytestmark = pytest.mark.usefixtures("fresh_lookups", "per_size_kernels")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_lookups", "per_size_kernels")]
 
 
 @pytest.fixture

@@ -253,6 +253,8 @@ def decide_for_logs(
 def describe(shape: ConvShape, target: Target, op: str = "forward") -> str:
     """What ``shape``'s ``op`` runs on ``target`` and why, in words, without timing anything
     (for ``tvm-deform info``)."""
+    if kernels.any_size(shape, target, env.tuned_enabled(), op=op):
+        return "default schedule, one kernel for every size of the layer"
     if not env.tuned_enabled():
         return "default schedule (TVM_DEFORM_TUNED=0)"
     key = targets.hardware_key(target)

@@ -390,7 +390,7 @@ def load_kernel(
     module = _load_module(
         cache_path(shape, target, schedule, op=op),
         lambda: compile_kernel(shape, target, record, layout),
-        _describe(shape, target, op, schedule),
+        _describe(shape, target, op, _record_name(record)),
     )
     return module["deform_conv2d"]
 
@@ -472,7 +472,7 @@ def load_backward(
     module = _load_module(
         cache_path(shape, target, schedule, op=op),
         lambda: compile_backward(shape, target, record, gradients),
-        _describe(shape, target, op, schedule),
+        _describe(shape, target, op, _record_name(record)),
     )
     return _backward_kernels(module, gradients)
 
@@ -482,6 +482,11 @@ def _backward_kernels(
 ) -> BackwardKernels:
     scatter = module["deform_conv2d_grad_input"] if gradients.input else None
     return BackwardKernels(module["deform_conv2d_backward"], scatter)
+
+
+def _record_name(record: records.TunedRecord | None) -> str:
+    """A schedule in words: "default", or where a tuned record comes from."""
+    return "default" if record is None else f"{record.hardware_key}/{record.space} record"
 
 
 def _schedule_name(record: records.TunedRecord | None) -> str:
@@ -564,7 +569,7 @@ def _describe(shape: ConvShape, target: Target, op: str, schedule: str) -> str:
         f"{s.kernel_h}x{s.kernel_w} kernel, {s.dtype}"
     )
     where = hardware_key(target)
-    how = "" if schedule == "default" else f", schedule {schedule[:24]}"
+    how = "" if schedule == "default" else f", {schedule}"
     return f"the {op} kernel of {layer} for {where}{how}"
 
 
