@@ -42,6 +42,7 @@ class Model(torch.nn.Module):
         return self.dcn2(x, dy_dx, mask.sigmoid())
 
 
+@pytest.mark.slow
 def test_after_the_first_image_no_size_compiles_forward_or_backward(fresh):
     torch.manual_seed(0)
     model = Model()
@@ -61,6 +62,7 @@ def test_after_the_first_image_no_size_compiles_forward_or_backward(fresh):
         assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "n, h, w",
     [(1, 1, 1), (0, 7, 9), (17, 5, 6), (2, 37, 3), (1, 3, 41)],

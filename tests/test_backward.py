@@ -12,6 +12,10 @@ from tvm_deform import DeformConv2d, deform_conv2d
 from tvm_deform.ir.definition import Gradients
 from tvm_deform.runtime import kernels
 
+#: the whole module is slow (many kernels, whole models or subprocesses): `pytest -m "not slow"`
+#: leaves it out of the quick loop; CI runs it
+pytestmark = pytest.mark.slow
+
 DIFFERENTIABLE = ("input", "offset", "weight", "bias", "mask")
 
 

@@ -193,6 +193,7 @@ print("sum", float(out.double().sum()), float(x.grad.double().sum()))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sizes", ["any", "static"])
 def test_a_warm_process_finds_its_kernels_without_a_primfunc_or_a_database(cache_dir, sizes):
     # The first process compiles (with the shipped logs looked at); the second finds the same

@@ -297,6 +297,7 @@ MMCV_OFFSET_WEIGHT_GRAD = [
 MMCV_OFFSET_BIAS_GRAD = [-3.0, -1.5, -3.0, -1.5, -3.0, -1.5, -3.0, -1.5, 4.5, 4.5, 4.5, 4.5]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "dtype, autocast",
     [
@@ -326,6 +327,7 @@ def test_pack_module_gives_mmcvs_fixed_gradients(dtype, autocast):
         assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=1e-2), name
 
 
+@pytest.mark.slow
 def test_offset_grad_rule_differs_only_at_minus_one():
     """torchvision's rule (the plain op) keeps the right-hand derivative at exactly -1, mmcv's
     gives 0 there; elsewhere, and in the forward, the two agree."""

@@ -238,6 +238,7 @@ def test_emulated_tensor_core_schedule_matches_torchvision(cfg, dtype):
     assert_close(ours, torchvision.ops.deform_conv2d(**upcast), HALF_TOLERANCE[dtype])
 
 
+@pytest.mark.slow
 def test_tensor_core_rule_takes_half_layers_and_leaves_the_rest():
     demo = SUITE["demo_64x56x56"]
     sm_90, sm_75 = targets.cuda_target("sm_90"), targets.cuda_target("sm_75")

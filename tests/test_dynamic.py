@@ -4,6 +4,7 @@ other sizes; forward and backward against torchvision."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torchvision.ops
 from conftest import assert_close
@@ -45,6 +46,7 @@ def check(run, n, h, w) -> None:
         assert_close(ours, theirs, 1e-5, name)
 
 
+@pytest.mark.slow
 def test_compile_dynamic_traces_once_for_every_size():
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")

@@ -84,6 +84,7 @@ def test_torch_export_records_one_node_and_runs():
         assert_close(program.module()(EXAMPLE), theirs(EXAMPLE), 1e-5, "torch.export")
 
 
+@pytest.mark.slow
 def test_aot_inductor_package_runs_in_this_process(tmp_path):
     ours, theirs = blocks(True, True)
     program = torch.export.export(ours, (EXAMPLE,))

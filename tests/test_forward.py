@@ -83,6 +83,7 @@ def test_half_precision_matches_upcast_reference(cfg, dtype, rtol):
     assert_close(ours, deform_conv2d_reference(**args), rtol, str(dtype))
 
 
+@pytest.mark.slow
 def test_half_precision_accumulates_in_float32():
     # 4096 products of 1 + 2**-10 (exact in float16). Summed in float32, every partial sum is
     # exact and the total, 4100, is a float16 number. A float16 accumulator falls behind once

@@ -15,6 +15,10 @@ from tvm_deform import deform_conv2d
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import kernels, launcher, targets
 
+#: the whole module is slow (many kernels, whole models or subprocesses): `pytest -m "not slow"`
+#: leaves it out of the quick loop; CI runs it
+pytestmark = pytest.mark.slow
+
 # Big enough for several parallel tasks (pixel tiles), small enough to compile in seconds.
 SHAPE = ConvShape(2, 16, 12, 13, 24, 3, 3, pad_h=1, pad_w=1, has_bias=True)
 
@@ -55,7 +59,7 @@ def test_launcher_is_built_and_attached(pool):
     pool("torch")
     assert launcher.enabled(), launcher.unavailable_reason
     deform_conv2d(padding=1, **inputs())
-    path = kernels.cache_path(SHAPE, targets.host_target())
+    path = kernels.any_size_path(SHAPE, targets.host_target())
     assert path.exists()
     assert launcher.launch_target(path) == launcher.get().address
 
@@ -63,11 +67,11 @@ def test_launcher_is_built_and_attached(pool):
 def test_tvm_pool_when_turned_off(pool):
     pool("tvm")
     deform_conv2d(padding=1, **inputs())
-    path = kernels.cache_path(SHAPE, targets.host_target())
+    path = kernels.any_size_path(SHAPE, targets.host_target())
     assert path.exists()
     assert launcher.launch_target(path) not in (None, launcher.get().address)
     pool("torch")
-    assert kernels.cache_path(SHAPE, targets.host_target()) != path  # one file per pool
+    assert kernels.any_size_path(SHAPE, targets.host_target()) != path  # one file per pool
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

@@ -354,8 +354,19 @@ def _any_size_kernel(shape: ConvShape, target: Target, layout: str) -> Kernel:
     return kernels[chosen]
 
 
+def any_size_path(shape: ConvShape, target: Target, layout: str = "NCHW") -> Path:
+    """The file in the disk cache of the kernel for any size that a call of ``shape`` runs."""
+    pixels = definition.padded_pixels(shape.out_h * shape.out_w)
+    chosen = max(c for c in schedules.pixel_classes(shape, target) if pixels >= c)
+    return cache_path(shape.any_size(), target, "default", _any_size_op(layout, chosen))
+
+
+def _any_size_op(layout: str, min_pixels: int) -> str:
+    return f"forward_any_size_{min_pixels}" + ("" if layout == "NCHW" else f"_{layout.lower()}")
+
+
 def _any_size_class(layer: ConvShape, target: Target, layout: str, min_pixels: int) -> Kernel:
-    op = f"forward_any_size_{min_pixels}" + ("" if layout == "NCHW" else f"_{layout.lower()}")
+    op = _any_size_op(layout, min_pixels)
 
     def load() -> Kernel:
         module = _load_module(
