@@ -48,6 +48,7 @@ def test_relative_error():
     assert relative_error(torch.tensor([1.0, 1.0]), torch.tensor([1.0, 0.0])) == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [["info"], ["diagnose"]])
 def test_commands_run(command, capsys):
     assert main(command) == 0

@@ -119,6 +119,7 @@ def test_sampled_image_of_integer_offsets_is_exact():
     assert image[0, 0, 2 * 3 + 2, 2 * 3 + 2].item() == 0.0  # (5, 5): outside the 5x5 image
 
 
+@pytest.mark.slow
 def test_unmodulated_ignores_the_mask_channels():
     data, offset, weight, _ = seed_inputs()
     packed = torch.cat([offset, torch.full((2, 9, 3, 3), 7.0)], dim=1)
@@ -229,6 +230,7 @@ def test_diagnosis_reproduces_the_seed_report():
         assert (report.reduced[where] == printed).all()
 
 
+@pytest.mark.slow
 def test_accumulating_in_reduced_precision_drifts_more():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 32, 8, 8, generator=g)

@@ -321,6 +321,7 @@ def test_tensor_core_kernels_build_to_mma_instructions(arch, dtype):
     assert all(m.endswith(expected) for m in mma), mma
 
 
+@pytest.mark.slow
 @needs_nvcc
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_layers_default_to_the_cuda_cores(dtype):

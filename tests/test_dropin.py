@@ -123,6 +123,7 @@ def test_torchscript_function():
     )
 
 
+@pytest.mark.slow
 def test_autocast_computes_in_float32_and_returns_the_input_dtype():
     import torchvision.ops
 

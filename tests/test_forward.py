@@ -238,6 +238,7 @@ def test_module_without_bias():
     assert out.shape == (1, 5, 4, 6)
 
 
+@pytest.mark.slow
 def test_opcheck():
     args = make_inputs(CONFIGS[1] | dict(use_mask=True, use_bias=True), torch.float32)
     for mask, bias in ((args["mask"], args["bias"]), (None, None)):

@@ -146,6 +146,7 @@ def test_split_output_structure_matches_torchvision(cfg):
     check(split_output(cfg), cfg)
 
 
+@pytest.mark.slow
 def test_split_output_structure_pads_less():
     # A 10x10 map: 112 pixels for a quantum of 16 (a vector of float32 on AVX-512), not 128.
     shape = ConvShape(1, 16, 10, 10, 16, 3, 3, pad_h=1, pad_w=1)
@@ -243,6 +244,7 @@ def test_default_picks_the_structure_from_the_layer():
     assert list(packs.values()) == [True, False, False, False]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target_name", ["host", "sm_90"])
 @pytest.mark.parametrize("kernel", ["forward", "backward"])
 def test_each_suite_layers_default_is_a_point_of_its_rules_space(kernel, target_name):
