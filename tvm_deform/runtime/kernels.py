@@ -162,7 +162,11 @@ def compile_candidates(
     if op == "forward" and layout != "NCHW":
         load_kernel(shape, target, None, layout)
         return
-    if op == "backward" and gradients != definition.ALL_GRADIENTS:
+    every = gradients == definition.ALL_GRADIENTS
+    if op == "backward" and any_size(shape, target, env.tuned_enabled() and every, op=op):
+        _any_size_backward(shape, target, gradients)
+        return
+    if op == "backward" and not every:
         load_backward(shape, target, None, gradients)
         return
     for record in candidates(shape, target, op):
