@@ -17,6 +17,7 @@ import importlib
 import inspect
 import json
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -663,7 +664,10 @@ def _load_private(built: tvm.runtime.Module, name: str) -> tuple[tvm.runtime.Mod
 def _memoised(key: tuple, load: Callable):
     """``load()``, once per ``key`` and per log and pool settings (part of the key, so that
     changing them mid-process takes effect)."""
-    key = (*key, env.user_logs_dir(), env.launcher_enabled(), env.sizes())
+    # The settings as the environment spells them: ``env.user_logs_dir()`` builds a path
+    # (15 us), too much for every call.
+    settings = ("TVM_DEFORM_LOGS", "XDG_DATA_HOME", "TVM_DEFORM_SIZES", "TVM_DEFORM_LAUNCHER")
+    key = (*key, *(os.environ.get(name) for name in settings))
     found = _memory.get(key)
     if found is not None:
         return found
