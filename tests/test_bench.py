@@ -27,6 +27,7 @@ def test_measure_between_times_only_the_call_after_the_other():
     )
 
 
+@pytest.mark.slow
 def test_compare_layer_checks_every_implementation_against_torchvision():
     rows = {row.implementation: row for row in compare_layer("tiny", TINY, available_peers())}
     expected = {"torchvision", "tvm_deform", "tvm_deform (between conv2d)", "tvm_deform default"}

@@ -73,6 +73,7 @@ def test_plot_writes_a_png(tmp_path):
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_run_measures_and_stops_cleanly_on_ctrl_c(monkeypatch):
     monkeypatch.setattr(compare, "measure_peak_gflops", lambda: 100.0)
     records, complete = compare.run({"tiny": TINY}, progress=lambda *_: None)

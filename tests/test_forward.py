@@ -294,6 +294,7 @@ class _ConvThenDeform(torch.nn.Module):
         return deform_conv2d(y, out[:, :18], self.weight, padding=1, mask=out[:, 18:].sigmoid())
 
 
+@pytest.mark.slow
 def test_inductor_passes_its_channels_last_layout_in(monkeypatch):
     """The op takes any layout (``flexible_layout``): where inductor runs a model in
     channels_last, the op reads the DCN input in place with its NHWC kernel instead of inductor
