@@ -17,7 +17,7 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm_deform.schedules.common import lanes
-from tvm_deform.schedules.cpu import ColumnTileCPU, InlineCPU, OutputChannelCPU
+from tvm_deform.schedules.cpu import FORWARD_RULES as CPU_FORWARD_RULES
 from tvm_deform.schedules.cpu import pixel_classes as cpu_pixel_classes
 from tvm_deform.schedules.cpu import pixel_quantum as cpu_pixel_quantum
 from tvm_deform.schedules.cpu_backward import BackwardCPU, GradInputCPU
@@ -35,9 +35,7 @@ from tvm_deform.ir.definition import ConvShape
 #: channels, the rest take the column tiles; on a GPU, a layer with too few output tiles to
 #: fill it gets its reduction split over thread blocks
 RULES: tuple[Rule, ...] = (
-    InlineCPU(),
-    OutputChannelCPU(),
-    ColumnTileCPU(),
+    *CPU_FORWARD_RULES,
     BackwardCPU(),
     GradInputCPU(),
     SplitReductionCUDA(),

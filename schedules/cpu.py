@@ -62,23 +62,24 @@ def pixel_classes(shape: ConvShape, target: Target) -> tuple[int, ...]:
     ascending, the first 1: a kernel for any size (``definition.forward(..., sizes="symbolic",
     min_pixels=...)``) is built per class, and a call takes the largest class its padded
     pixels reach. Only the output-channel structure depends on the map's size."""
-    large = dataclasses.replace(Layer.of_shape(shape), min_pixels=OUTPUT_CHANNEL_MIN_PIXELS)
-    vector = lanes(target, shape.accumulator_dtype)
-    suited = not large.samples_used_once and large.suits_output_channel_vectors(vector)
-    return (1, OUTPUT_CHANNEL_MIN_PIXELS) if suited else (1,)
+    small = _default_rule(shape, target, 1)
+    large = _default_rule(shape, target, OUTPUT_CHANNEL_MIN_PIXELS)
+    return (1,) if small is large else (1, OUTPUT_CHANNEL_MIN_PIXELS)
 
 
 def pixel_quantum(shape: ConvShape, target: Target, min_pixels: int) -> int:
     """The pixel tile of the default forward of ``shape``'s layer for maps of at least
     ``min_pixels`` pixels: a kernel for any size pads its pixel axis to a multiple of it (one
     tile at most is wasted, not a whole ``PIXEL_QUANTUM``)."""
+    vector = lanes(target, shape.accumulator_dtype)
+    return _default_rule(shape, target, min_pixels).default_tile(vector)
+
+
+def _default_rule(shape: ConvShape, target: Target, min_pixels: int) -> ForwardCPU:
+    """The CPU forward rule the default gives ``shape``'s layer on maps of ``min_pixels``."""
     layer = dataclasses.replace(Layer.of_shape(shape), min_pixels=min_pixels)
     vector = lanes(target, shape.accumulator_dtype)
-    if layer.samples_used_once:
-        return InlineCPU.pixels
-    if layer.suits_output_channel_vectors(vector):
-        return OutputChannelCPU.tile
-    return vector * ColumnTileCPU.vectors_per_tile
+    return next(r for r in FORWARD_RULES if r.takes(layer, vector, tunable=False))
 
 
 class ForwardCPU(Rule):
@@ -95,18 +96,17 @@ class ForwardCPU(Rule):
         sch = s_tir.Schedule(func)
         if not is_deform_conv(sch):
             return None
-        layer = Layer.of(sch)
-        if not self.takes(layer, _lanes(sch, target), tunable):
+        layer, vector = Layer.of(sch), _lanes(sch, target)
+        if not self.takes(layer, vector, tunable):
             return None
-        self._schedule(sch, target, Choices(sch, tunable))
+        self.schedule(sch, layer, vector, vector_registers(target), Choices(sch, tunable))
         return sch
 
-    def _schedule(self, sch: s_tir.Schedule, target: Target, choose: Choices, **options) -> None:
-        layer = Layer.of(sch)
-        registers = vector_registers(target)
-        self.schedule(sch, layer, _lanes(sch, target), registers, choose, **options)
-
     def takes(self, layer: Layer, vector: int, tunable: bool) -> bool:
+        raise NotImplementedError
+
+    def default_tile(self, vector: int) -> int:
+        """The default's pixel tile (a kernel for any size pads its pixels to a multiple)."""
         raise NotImplementedError
 
     def schedule(
@@ -131,6 +131,9 @@ class InlineCPU(ForwardCPU):
 
     def takes(self, layer: Layer, vector: int, tunable: bool) -> bool:
         return layer.samples_used_once
+
+    def default_tile(self, vector: int) -> int:
+        return self.pixels
 
     def schedule(self, sch, layer, vector, registers, choose) -> None:
         per_group = layer.channels_per_offset_group
@@ -183,6 +186,9 @@ class OutputChannelCPU(ForwardCPU):
             and any(self._vector_fits(layer, b) for b in self.vector_candidates)
         )
 
+    def default_tile(self, vector: int) -> int:
+        return self.tile
+
     @staticmethod
     def _vector_fits(layer: Layer, block: int) -> bool:
         return layer.out_per_group % block == 0 and block < layer.out_channels
@@ -234,6 +240,9 @@ class ColumnTileCPU(ForwardCPU):
     def takes(self, layer: Layer, vector: int, tunable: bool) -> bool:
         return True
 
+    def default_tile(self, vector: int) -> int:
+        return vector * self.vectors_per_tile
+
     def apply(self, func, target, tunable=False):
         """As :meth:`ForwardCPU.apply`; with ``tunable``, a list of its design spaces."""
         if not tunable:
@@ -244,7 +253,8 @@ class ColumnTileCPU(ForwardCPU):
         spaces = []
         for channels_last in (False, True) if spread else (False,):
             sch = s_tir.Schedule(func)
-            self._schedule(sch, target, Choices(sch, True), channels_last=channels_last)
+            layer, vector, registers = Layer.of(sch), _lanes(sch, target), vector_registers(target)
+            self.schedule(sch, layer, vector, registers, Choices(sch, True), channels_last)
             spaces.append(sch)
         return spaces
 
@@ -272,6 +282,11 @@ class ColumnTileCPU(ForwardCPU):
             ],
             channels_last=channels_last,
         )
+
+
+#: the CPU forward rules in the order the default tries them (``tvm_deform.schedules.RULES``
+#: holds the same instances)
+FORWARD_RULES: tuple[ForwardCPU, ...] = (InlineCPU(), OutputChannelCPU(), ColumnTileCPU())
 
 
 def _lanes(sch: s_tir.Schedule, target: Target) -> int:
@@ -356,10 +371,6 @@ class Layer:
             taps=shape.taps,
             min_pixels=pixels,
         )
-
-    @property
-    def symbolic(self) -> bool:
-        return not isinstance(self.pixels, int)
 
     def tile(self, wanted: int) -> int:
         """A pixel tile of at most ``wanted`` that divides the padded pixel axis."""

@@ -118,10 +118,6 @@ def symbolic(shape: ConvShape) -> ConvShape:
     )
 
 
-def is_symbolic(shape: ConvShape) -> bool:
-    return not isinstance(shape.height, int)
-
-
 @dataclasses.dataclass(frozen=True)
 class ConvShape:
     """Every parameter that fixes the shape of one deformable convolution.

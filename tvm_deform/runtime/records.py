@@ -335,28 +335,22 @@ def forget_databases() -> None:
     _tuned_shapes.cache_clear()
 
 
-def tuned_shapes(target: Target, op: str = "forward", own: bool = True) -> frozenset[ConvShape]:
-    """The shapes whose ``op`` the logs of ``target``'s own hardware key (``own``) or of a
-    compatible one too hold records of, read from their manifests (no database is opened):
-    with ``own``, the shapes for which a kernel of their exact size, tuned on this kind of
-    machine, is faster than the one for any size."""
+def tuned_shapes(target: Target, op: str = "forward") -> frozenset[ConvShape]:
+    """The shapes whose ``op`` the logs of ``target``'s own hardware key hold records of, read
+    from their manifests (no database is opened): the shapes for which a kernel of their exact
+    size, tuned on this kind of machine, is faster than the one for any size."""
     from tvm_deform.runtime.targets import hardware_key
 
     roots = tuple(str(root) for root in log_roots())
-    return _tuned_shapes(roots, str(target), hardware_key(target), op, own)
+    return _tuned_shapes(roots, hardware_key(target), op)
 
 
 @functools.cache
-def _tuned_shapes(
-    roots: tuple[str, ...], target_text: str, key: str, op: str, own: bool
-) -> frozenset:
-    target = Target(target_text)
+def _tuned_shapes(roots: tuple[str, ...], key: str, op: str) -> frozenset:
     shapes = set()
     for root in map(Path, roots):
-        if not root.is_dir():
-            continue
-        for candidate in [key] if own else candidate_keys(root, target, key):
-            for name, spaces in _manifest(root / candidate).get("workloads", {}).items():
+        if root.is_dir():
+            for name, spaces in _manifest(root / key).get("workloads", {}).items():
                 if (op == "backward") != name.endswith(":backward"):
                     continue
                 for entry in spaces.values():
