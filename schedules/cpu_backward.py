@@ -56,8 +56,16 @@ def _elementwise(sch: s_tir.Schedule, block, lanes: int) -> None:
             last_outer, last_inner = sch.split(last, [None, lanes])
             outer.append(last_outer)
             sch.vectorize(last_inner)
-        if outer:
-            sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+        # The symbolic loops (batch, pixel tiles) outermost, and fused only with each other:
+        # a fused loop's indices are divisions by its inner extents, which for a symbolic
+        # extent are integer divisions at run time (and expressions that take seconds to lower).
+        symbolic = [loop for loop in outer if not isinstance(sch.get(loop).extent, tirx.IntImm)]
+        static = [loop for loop in outer if isinstance(sch.get(loop).extent, tirx.IntImm)]
+        if symbolic and static:
+            sch.reorder(*symbolic, *static)
+        parallel = symbolic or static
+        if parallel:
+            sch.parallel(sch.fuse(*parallel) if len(parallel) > 1 else parallel[0])
         return
     extent = int(extent)
     if extent % lanes == 0 and extent > lanes:
