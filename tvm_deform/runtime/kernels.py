@@ -50,6 +50,19 @@ Kernel = Callable[..., None]
 log = logging.getLogger(__name__)
 
 
+class AnySizeKernel(NamedTuple):
+    """A forward kernel for every size of its layer (see :func:`any_size`), called like any
+    other, with its offset and mask padded along the pixels to ``quantum`` by repeating the last
+    one (see :func:`tvm_deform.ir.definition.forward`)."""
+
+    function: Kernel
+    #: the multiple the kernel's pixel axis is padded to
+    quantum: int
+
+    def __call__(self, *args) -> None:
+        self.function(*args)
+
+
 class BackwardKernels(NamedTuple):
     """The two compiled backward kernels of one shape, run in this order."""
 
@@ -381,7 +394,8 @@ def _any_size_class(layer: ConvShape, target: Target, layout: str, min_pixels: i
             ),
             _describe(layer, target, op, "default"),
         )
-        return module["deform_conv2d"]
+        quantum = schedules.cpu_pixel_quantum(layer, target, min_pixels)
+        return AnySizeKernel(module["deform_conv2d"], quantum)
 
     return _memoised(("forward", layer, layout, min_pixels, _target_text(target)), load)
 
