@@ -604,9 +604,15 @@ def channels_last_input(sch: s_tir.Schedule, consumer) -> None:
         isinstance(e, tirx.IntImm) and int(e) % TRANSPOSE_BLOCK == 0 for e in (channels, width)
     )
     if not isinstance(width, tirx.IntImm):
-        if isinstance(channels, tirx.IntImm) and int(channels) % TRANSPOSE_BLOCK == 0:
-            sch.reorder(x, c)
-            c_outer, c_inner = sch.split(c, [None, TRANSPOSE_BLOCK])
+        # A symbolic width: a few columns at a time (unrolled: their last block is cut at the
+        # row's end), each a vector of channels; LLVM then reads the columns as vectors, as fast
+        # as the square blocks (measured), where one column at a time is a gather.
+        lanes = next((v for v in (16, TRANSPOSE_BLOCK) if int(channels) % v == 0), None)
+        if lanes is not None:
+            x_outer, x_inner = sch.split(x, [None, TRANSPOSE_COLUMNS])
+            c_outer, c_inner = sch.split(c, [None, lanes])
+            sch.reorder(x_outer, c_outer, x_inner, c_inner)
+            sch.unroll(x_inner)
             sch.vectorize(c_inner)
     elif blocks:
         # Square blocks, a row of the block read as one vector: LLVM otherwise picks gather or
@@ -620,6 +626,8 @@ def channels_last_input(sch: s_tir.Schedule, consumer) -> None:
 
 #: the side of the square blocks in which the input is copied to NHWC
 TRANSPOSE_BLOCK = 8
+#: the columns copied together when the width is symbolic
+TRANSPOSE_COLUMNS = 4
 
 
 def apply_inline_structure(sch: s_tir.Schedule, pixel_factors: list, channel_factors: list) -> None:

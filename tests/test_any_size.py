@@ -88,3 +88,16 @@ def test_sizes_no_suite_names_match_torchvision_and_the_per_size_kernels(fresh, 
     if n:
         expected = torchvision.ops.deform_conv2d(x, offset, weight, bias, padding=1, mask=mask)
         assert_close(results["any"][0], expected, 1e-6)
+
+
+@pytest.mark.parametrize("channels, width", [(32, 13), (24, 7)], ids=["16-lane", "8-lane"])
+def test_an_input_width_no_block_divides_matches_torchvision(fresh, channels, width):
+    # The input is copied to NHWC a block of columns at a time; the row's last block is cut.
+    generator = torch.Generator().manual_seed(channels + width)
+    x = torch.randn(2, channels, 6, width, generator=generator)
+    offset = 2 * torch.randn(2, 18, 6, width, generator=generator)
+    mask = torch.rand(2, 9, 6, width, generator=generator)
+    weight = torch.randn(8, channels, 3, 3, generator=generator)
+    out = deform_conv2d(x, offset, weight, padding=1, mask=mask)
+    expected = torchvision.ops.deform_conv2d(x, offset, weight, padding=1, mask=mask)
+    assert_close(out, expected, 1e-5)
