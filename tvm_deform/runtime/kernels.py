@@ -11,6 +11,7 @@ any of them misses the cache instead of loading a stale kernel.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import importlib
@@ -36,7 +37,7 @@ from tvm.target import Target
 from tvm_deform import __version__, env, schedules
 from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape
-from tvm_deform.runtime import diskcache, launcher, records, workspace
+from tvm_deform.runtime import diskcache, hardware, launcher, records, workspace
 from tvm_deform.runtime.targets import (
     hardware_key,
     host_target,
@@ -368,8 +369,19 @@ def _any_size_kernel(shape: ConvShape, target: Target, layout: str) -> Kernel:
     pixels = definition.padded_pixels(shape.out_h * shape.out_w)
     classes = schedules.pixel_classes(shape, target)
     chosen = max(c for c in classes if pixels >= c)
-    kernels = {c: _any_size_class(shape.any_size(), target, layout, c) for c in classes}
-    return kernels[chosen]
+    layer = shape.any_size()
+
+    def load() -> dict[int, Kernel]:
+        # The classes compile at once, each on a thread of its own (TVM's compiler and LLVM
+        # release the GIL), as many at a time as this process has cores.
+        workers = min(len(classes), hardware.detect().cores)
+        if workers == 1:
+            return {c: _any_size_class(layer, target, layout, c) for c in classes}
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            found = pool.map(lambda c: _any_size_class(layer, target, layout, c), classes)
+            return dict(zip(classes, found, strict=True))
+
+    return _memoised(("forward_classes", layer, layout, _target_text(target)), load)[chosen]
 
 
 def any_size_path(shape: ConvShape, target: Target, layout: str = "NCHW") -> Path:
