@@ -95,8 +95,10 @@ def cache_path(
     """Where the on-disk cache keeps the ``op`` ("forward" or "backward") kernel of ``shape``
     for ``target``, compiled with ``schedule`` ("default", or a tuned record's identity)."""
     # Kernels on TVM's pool and on torch's threads are separate files: a file loaded twice is one
-    # library with one launch variable, which the two would otherwise fight over.
-    pool = "torch" if target.kind.name == "llvm" and launcher.enabled() else "tvm"
+    # library with one launch variable, which the two would otherwise fight over. The setting
+    # names the file (a process whose launcher cannot be built runs them all on TVM's pool), so
+    # that the launcher can build while the first kernel compiles.
+    pool = "torch" if target.kind.name == "llvm" and env.launcher_enabled() else "tvm"
     text = "\n".join(
         (
             workload_key(shape, target),
@@ -648,6 +650,7 @@ def _use(path: Path, module: tvm.runtime.Module) -> None:
 
 
 def _compile(compile_module: Callable[[], tvm.runtime.Module], what: str) -> tvm.runtime.Module:
+    launcher.prepare()
     began = time.perf_counter()
     built = compile_module()
     log.info("compiled %s in %.1f s", what, time.perf_counter() - began)

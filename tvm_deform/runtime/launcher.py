@@ -77,6 +77,13 @@ def enabled() -> bool:
     return env.launcher_enabled() and get() is not None
 
 
+def prepare() -> None:
+    """Start building the launcher on a thread of its own when it is wanted and not built yet,
+    so that the first kernel compiles meanwhile (the build takes about a second)."""
+    if env.launcher_enabled() and _get.cache_info().currsize == 0 and not _lock.locked():
+        threading.Thread(target=get, name="tvm_deform launcher build", daemon=True).start()
+
+
 def get() -> Launcher | None:
     """The launcher, built on first use; None (with one warning) when it cannot be built."""
     with _lock:
