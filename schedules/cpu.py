@@ -435,7 +435,11 @@ def apply_output_channel_structure(
     output = sch.get_sblock("output")
     sch.reverse_compute_at(output, p_mid)
     *_, out_channel, out_pixel = sch.get_loops(output)
-    sch.unroll(out_channel)
+    # With a symbolic pixel count each store is tested against it (the last tile is cut), and
+    # TVM scalarises the vector: unrolled, hundreds of branches, which doubled the kernel's
+    # compile time and gained nothing (measured).
+    if isinstance(sch.get(outer).extent, tirx.IntImm):
+        sch.unroll(out_channel)
     sch.vectorize(out_pixel)
 
     sch.compute_at(columns, outer)
