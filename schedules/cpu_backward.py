@@ -56,14 +56,15 @@ def _elementwise(sch: s_tir.Schedule, block, lanes: int) -> None:
             last_outer, last_inner = sch.split(last, [None, lanes])
             outer.append(last_outer)
             sch.vectorize(last_inner)
-        # The symbolic loops (batch, pixel tiles) outermost, and fused only with each other:
-        # a fused loop's indices are divisions by its inner extents, which for a symbolic
-        # extent are integer divisions at run time (and expressions that take seconds to lower).
+        # The symbolic loops (batch, pixel tiles) outermost. In parallel: the pixel tiles alone
+        # when there are some, else the batch fused with the static loops. A fused loop's
+        # indices divide by the extents fused inside it: by a symbolic extent, an integer
+        # division at run time (and expressions that took seconds to lower).
         symbolic = [loop for loop in outer if not isinstance(sch.get(loop).extent, tirx.IntImm)]
         static = [loop for loop in outer if isinstance(sch.get(loop).extent, tirx.IntImm)]
         if symbolic and static:
             sch.reorder(*symbolic, *static)
-        parallel = symbolic or static
+        parallel = symbolic[-1:] if len(symbolic) > 1 else symbolic + static
         if parallel:
             sch.parallel(sch.fuse(*parallel) if len(parallel) > 1 else parallel[0])
         return
@@ -76,6 +77,16 @@ def _elementwise(sch: s_tir.Schedule, block, lanes: int) -> None:
         sch.vectorize(last)
     if outer:
         sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+
+
+def _parallel_tiles(sch: s_tir.Schedule, n, p_outer) -> None:
+    """Run the (batch, pixel tile) loops in parallel: fused, or, when the tile count is
+    symbolic, the tiles alone under a serial batch loop (a loop fused with a symbolic one
+    divides by its extent in every index)."""
+    if isinstance(sch.get(p_outer).extent, tirx.IntImm):
+        sch.parallel(sch.fuse(n, p_outer))
+    else:
+        sch.parallel(p_outer)
 
 
 def _divides_padded(sch: s_tir.Schedule, extent, lanes: int) -> bool:
@@ -230,7 +241,7 @@ def _grad_columns(sch: s_tir.Schedule, rows, tile) -> None:
     p_outer, p_inner = sch.split(p, [None, tile])
     c_outer, c_inner = sch.split(c, [None, rows])
     sch.reorder(n, p_outer, c_outer, k, ro, c_inner, p_inner)
-    sch.parallel(sch.fuse(n, p_outer))
+    _parallel_tiles(sch, n, p_outer)
     sch.reverse_compute_at(acc, k)
     sch.unroll(c_inner)
     _vectorize_pixels(sch, p_inner, acc, tile)
@@ -243,7 +254,7 @@ def _sampling_grad(sch: s_tir.Schedule, tile) -> None:
     acc = sch.cache_write(block, 0, "local")
     p_outer, p_inner = sch.split(p, [None, tile])
     sch.reorder(n, p_outer, g, k, t, rc, p_inner)
-    sch.parallel(sch.fuse(n, p_outer))
+    _parallel_tiles(sch, n, p_outer)
     sch.reverse_compute_at(acc, t)
     _vectorize_pixels(sch, p_inner, acc, tile)
     sch.decompose_reduction(block, rc)
