@@ -1,6 +1,6 @@
 """Kernels for any size against kernels for one size, through the public op: per suite layer,
 the forward and a training step (forward + backward), interleaved in one process
-(``TVM_DEFORM_SIZES`` switched between calls), in three runs; default schedules on both sides
+(``TVM_DEFORM_SIZES`` switched between calls), in five runs; default schedules on both sides
 (``TVM_DEFORM_TUNED=0``), so that what is measured is the cost of the generality.
 
     .venv/bin/python lab/any_size.py > docs/results/<cpu>/any-size.md
@@ -23,7 +23,7 @@ from tvm_deform.runtime import targets  # noqa: E402
 from tvm_deform.runtime.inputs import conv_kwargs, random_inputs  # noqa: E402
 from tvm_deform.tools.suite import load_suite  # noqa: E402
 
-RUNS = 3
+RUNS = 5
 
 
 def timed(call, seconds: float = 0.2) -> float:
@@ -64,8 +64,8 @@ def main() -> int:
         f"# Kernels for any size against kernels for one size ({targets.host_cpu()}, "
         f"{torch.get_num_threads()} threads)\n"
     )
-    print("`.venv/bin/python lab/any_size.py`: ratio = any size / one size, median of "
-          f"{RUNS} interleaved runs; default schedules on both sides.\n")  # fmt: skip
+    print("`.venv/bin/python lab/any_size.py`: ratio = any size / one size, the median of "
+          f"{RUNS} interleaved runs' ratios; default schedules on both sides.\n")  # fmt: skip
     print("| layer | forward, one size ms | forward ratio | step, one size ms | step ratio |")
     print("|---|---:|---:|---:|---:|")
     ratios = {"forward": [], "step": []}
@@ -81,7 +81,10 @@ def main() -> int:
         row = [name]
         for kind in ("forward", "step"):
             static = statistics.median(times[(kind, "static")])
-            ratio = statistics.median(times[(kind, "any")]) / static
+            # The ratio of each run's neighbouring timings, then their median: the machine's
+            # drift between runs cancels out.
+            pairs = zip(times[(kind, "any")], times[(kind, "static")], strict=True)
+            ratio = statistics.median(a / s for a, s in pairs)
             ratios[kind].append(ratio)
             row += [f"{static * 1e3:.3f}", f"{ratio:.2f}"]
         print("| " + " | ".join(row) + " |", flush=True)
