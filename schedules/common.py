@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 
-from tvm import s_tir
+from tvm import s_tir, tirx
 from tvm.target import Target, codegen
 
 
@@ -82,3 +82,17 @@ def geometry_blocks(sch: s_tir.Schedule) -> list:
     except Exception:  # noqa: BLE001 - a static PrimFunc has no such stage
         pass
     return blocks
+
+
+def parallel_tiles(sch: s_tir.Schedule, batch, tiles):
+    """Run the loops over the batch and the pixel tiles (``tiles`` inside ``batch``) in parallel
+    and return the parallel loop: the two fused, or, when the tile count is symbolic (a kernel
+    for any size), the tiles alone under a serial batch loop. TVM cannot prove a symbolic extent
+    positive: a loop fused with one divides by it in every index, and the stores of a tile are
+    tested at run time (vectorised ones scalarised)."""
+    if isinstance(sch.get(tiles).extent, tirx.IntImm):
+        fused = sch.fuse(batch, tiles)
+        sch.parallel(fused)
+        return fused
+    sch.parallel(tiles)
+    return tiles

@@ -50,6 +50,7 @@ from tvm_deform.schedules.common import (
     is_deform_conv,
     lanes,
     largest_divisor,
+    parallel_tiles,
     vector_registers,
 )
 from tvm_deform.schedules.rule import Choices, Rule
@@ -427,7 +428,7 @@ def apply_output_channel_structure(
     p_mid, p_inner = sch.split(p_tile, pixel_factors)
     o_outer, o_inner = sch.split(o, out_factors)
     sch.reorder(n, p_outer, o_outer, p_mid, rc, rk, p_inner, o_inner)
-    outer = _parallel_tiles(sch, n, p_outer)
+    outer = parallel_tiles(sch, n, p_outer)
     sch.compute_inline(acc)
     sch.unroll(p_inner)
     sch.vectorize(o_inner)
@@ -448,19 +449,6 @@ def apply_output_channel_structure(
         sch.vectorize(sch.get_loops(block)[-1])
     _vectorise_along_channels(sch, columns, layer, tile, pixel_first=True)
     sch.decompose_reduction(conv, rc)
-
-
-def _parallel_tiles(sch: s_tir.Schedule, n, p_outer):
-    """The parallel loop over (batch, pixel tile): the two fused, or, when the tile count is
-    symbolic, the tiles alone, under a serial batch loop. A loop fused with a symbolic one
-    splits its index by a division whose sign TVM cannot prove, which leaves a run-time test
-    in every store of the tile (and scalarises vectorised ones)."""
-    if isinstance(sch.get(p_outer).extent, tirx.IntImm):
-        outer = sch.fuse(n, p_outer)
-        sch.parallel(outer)
-        return outer
-    sch.parallel(p_outer)
-    return p_outer
 
 
 def _pack_weight(sch: s_tir.Schedule, conv) -> None:
@@ -671,7 +659,7 @@ def _register_block(sch: s_tir.Schedule, pixel_factors: list, out_factors: list,
     o_outer, o_inner = sch.split(o, out_factors)
     unrolled, lanes = (p_inner, o_inner) if lanes_along == "channels" else (o_inner, p_inner)
     sch.reorder(n, p_outer, o_outer, rc, rk, unrolled, lanes)
-    outer = _parallel_tiles(sch, n, p_outer)
+    outer = parallel_tiles(sch, n, p_outer)
     sch.compute_inline(acc)
     sch.reverse_compute_at(sch.get_sblock("output"), o_outer)
     sch.unroll(unrolled)

@@ -30,7 +30,7 @@ import dataclasses
 from tvm import s_tir, sym, tirx
 from tvm.target import Target
 from tvm_deform.schedules.common import lanes as vector_lanes
-from tvm_deform.schedules.common import largest_divisor
+from tvm_deform.schedules.common import largest_divisor, parallel_tiles
 from tvm_deform.schedules.rule import Choices, Rule
 
 
@@ -77,16 +77,6 @@ def _elementwise(sch: s_tir.Schedule, block, lanes: int) -> None:
         sch.vectorize(last)
     if outer:
         sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
-
-
-def _parallel_tiles(sch: s_tir.Schedule, n, p_outer) -> None:
-    """Run the (batch, pixel tile) loops in parallel: fused, or, when the tile count is
-    symbolic, the tiles alone under a serial batch loop (a loop fused with a symbolic one
-    divides by its extent in every index)."""
-    if isinstance(sch.get(p_outer).extent, tirx.IntImm):
-        sch.parallel(sch.fuse(n, p_outer))
-    else:
-        sch.parallel(p_outer)
 
 
 def _divides_padded(sch: s_tir.Schedule, extent, lanes: int) -> bool:
@@ -241,7 +231,7 @@ def _grad_columns(sch: s_tir.Schedule, rows, tile) -> None:
     p_outer, p_inner = sch.split(p, [None, tile])
     c_outer, c_inner = sch.split(c, [None, rows])
     sch.reorder(n, p_outer, c_outer, k, ro, c_inner, p_inner)
-    _parallel_tiles(sch, n, p_outer)
+    parallel_tiles(sch, n, p_outer)
     sch.reverse_compute_at(acc, k)
     sch.unroll(c_inner)
     _vectorize_pixels(sch, p_inner, acc, tile)
@@ -254,7 +244,7 @@ def _sampling_grad(sch: s_tir.Schedule, tile) -> None:
     acc = sch.cache_write(block, 0, "local")
     p_outer, p_inner = sch.split(p, [None, tile])
     sch.reorder(n, p_outer, g, k, t, rc, p_inner)
-    _parallel_tiles(sch, n, p_outer)
+    parallel_tiles(sch, n, p_outer)
     sch.reverse_compute_at(acc, t)
     _vectorize_pixels(sch, p_inner, acc, tile)
     sch.decompose_reduction(block, rc)
