@@ -330,6 +330,8 @@ def get_kernel(
     tuned = env.tuned_enabled() if tuned is None else tuned
 
     def load() -> Kernel:
+        if target.kind.name == "llvm":
+            launcher.prepare()  # built meanwhile, if this call compiles
         if any_size(shape, target, tuned, layout):
             return _any_size_kernel(shape, target, layout)
         op = "forward" if layout == "NCHW" else f"forward_{layout.lower()}"
@@ -466,6 +468,8 @@ def get_backward(
     tuned = env.tuned_enabled() if tuned is None else tuned
 
     def load() -> BackwardKernels:
+        if target.kind.name == "llvm":
+            launcher.prepare()  # built meanwhile, if this call compiles
         every = gradients == definition.ALL_GRADIENTS
         if any_size(shape, target, tuned and every, op="backward"):
             return _any_size_backward(shape, target, gradients)
@@ -650,7 +654,6 @@ def _use(path: Path, module: tvm.runtime.Module) -> None:
 
 
 def _compile(compile_module: Callable[[], tvm.runtime.Module], what: str) -> tvm.runtime.Module:
-    launcher.prepare()
     began = time.perf_counter()
     built = compile_module()
     log.info("compiled %s in %.1f s", what, time.perf_counter() - began)

@@ -79,7 +79,7 @@ def enabled() -> bool:
 
 def prepare() -> None:
     """Start building the launcher on a thread of its own when it is wanted and not built yet,
-    so that the first kernel compiles meanwhile (the build takes about a second)."""
+    so that a first call's kernel compiles meanwhile (the build takes about a second)."""
     if env.launcher_enabled() and _get.cache_info().currsize == 0 and not _lock.locked():
         threading.Thread(target=get, name="tvm_deform launcher build", daemon=True).start()
 
