@@ -1,7 +1,8 @@
 """Training steps on a stream of input sizes: R50-DCNv2 (forward + backward, batch 1) at each
 distinct size of ``tvm-deform bench-sizes``' stream, the first step at a size against the median
-of two more, for tvm_deform from a warm kernel cache (a first pass fills it) and for
-torchvision. A new size's overhead is the first step over the warm one.
+of two more, for tvm_deform from a warm kernel cache and for torchvision. Each first takes a step
+at a size outside the stream (tvm_deform's kernels for any size compile or load there), so that
+every size of the stream is new. A new size's overhead is the first step over the warm one.
 
     .venv/bin/python lab/step_sizes.py > docs/results/<cpu>/step-sizes.md
 """
@@ -19,6 +20,8 @@ from tvm_deform.tools.bench_model import r50_dcnv2
 from tvm_deform.tools.bench_sizes import stream_sizes
 
 WARM_STEPS = 2
+#: the size of the step taken before the stream: in no image of it
+WARM_UP = (384, 384)
 
 
 def step(model: torch.nn.Module, x: torch.Tensor) -> float:
@@ -31,10 +34,10 @@ def overheads(implementation: str) -> list[tuple[tuple[int, int], float, float]]
     """Per distinct size: (size, first step s, warm step s)."""
     model = r50_dcnv2(implementation)
     sizes = list(dict.fromkeys(stream_sizes()))
+    assert WARM_UP not in sizes
     generator = torch.Generator().manual_seed(0)
     inputs = {size: torch.randn(1, 3, *size, generator=generator) for size in sizes}
-    if implementation == "tvm_deform":
-        step(model, inputs[sizes[0]])  # the layers' kernels, compiled or loaded once
+    step(model, torch.randn(1, 3, *WARM_UP, generator=generator))
     rows = []
     for size in sizes:
         first = step(model, inputs[size])

@@ -370,9 +370,7 @@ def _any_size_kernel(shape: ConvShape, target: Target, layout: str) -> Kernel:
     (see :func:`tvm_deform.schedules.pixel_classes`), memoised by the layer: a call of a new
     size finds it in memory. A layer's first call loads the kernels of all its size classes,
     so that no later size compiles."""
-    pixels = definition.padded_pixels(shape.out_h * shape.out_w)
     classes = schedules.pixel_classes(shape, target)
-    chosen = max(c for c in classes if pixels >= c)
     layer = shape.any_size()
 
     def load() -> dict[int, Kernel]:
@@ -385,13 +383,19 @@ def _any_size_kernel(shape: ConvShape, target: Target, layout: str) -> Kernel:
             found = pool.map(lambda c: _any_size_class(layer, target, layout, c), classes)
             return dict(zip(classes, found, strict=True))
 
-    return _memoised(("forward_classes", layer, layout, _target_text(target)), load)[chosen]
+    found = _memoised(("forward_classes", layer, layout, _target_text(target)), load)
+    return found[_size_class(shape, classes)]
+
+
+def _size_class(shape: ConvShape, classes: tuple[int, ...]) -> int:
+    """The size class (of ``classes``) whose kernel a call of ``shape`` runs."""
+    pixels = definition.padded_pixels(shape.out_h * shape.out_w)
+    return max(c for c in classes if pixels >= c)
 
 
 def any_size_path(shape: ConvShape, target: Target, layout: str = "NCHW") -> Path:
     """The file in the disk cache of the kernel for any size that a call of ``shape`` runs."""
-    pixels = definition.padded_pixels(shape.out_h * shape.out_w)
-    chosen = max(c for c in schedules.pixel_classes(shape, target) if pixels >= c)
+    chosen = _size_class(shape, schedules.pixel_classes(shape, target))
     return cache_path(shape.any_size(), target, "default", _any_size_op(layout, chosen))
 
 
