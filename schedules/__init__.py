@@ -21,7 +21,7 @@ from tvm_deform.schedules.cpu import FORWARD_RULES as CPU_FORWARD_RULES
 from tvm_deform.schedules.cpu import pixel_classes as cpu_pixel_classes
 from tvm_deform.schedules.cpu import pixel_quantum as cpu_pixel_quantum
 from tvm_deform.schedules.cpu_backward import BackwardCPU, GradInputCPU
-from tvm_deform.schedules.cuda import OnePassCUDA, SplitReductionCUDA
+from tvm_deform.schedules.cuda import OnePassCUDA, SampleOnceCUDA, SplitReductionCUDA
 from tvm_deform.schedules.cuda_backward import BackwardCUDA, GradInputCUDA
 from tvm_deform.schedules.cuda_tensor_core import MIN_ARCH as TENSOR_CORE_MIN_ARCH
 from tvm_deform.schedules.cuda_tensor_core import TensorCoreCUDA
@@ -32,12 +32,14 @@ from tvm_deform.ir.definition import ConvShape
 
 #: every rule, in the order the default tries them for a (kernel, target kind): depthwise
 #: layers inline their samples, small weights on large maps vectorise along the output
-#: channels, the rest take the column tiles; on a GPU, a layer with too few output tiles to
-#: fill it gets its reduction split over thread blocks
+#: channels, the rest take the column tiles; on a GPU, the columns are sampled once and
+#: multiplied by a GEMM (its reduction split over thread blocks where the output tiles alone
+#: would not fill the GPU), and the fused structures are design spaces
 RULES: tuple[Rule, ...] = (
     *CPU_FORWARD_RULES,
     BackwardCPU(),
     GradInputCPU(),
+    SampleOnceCUDA(),
     SplitReductionCUDA(),
     OnePassCUDA(),
     TensorCoreCUDA(),
@@ -80,10 +82,40 @@ def design_spaces(kernel: str, func: tirx.PrimFunc, target: Target) -> list[s_ti
 
 def pixel_classes(shape: ConvShape, target: Target) -> tuple[int, ...]:
     """The pixel counts from which ``shape``'s default forward on ``target`` changes structure
-    (see :func:`.cpu.pixel_classes`); one class, ``(1,)``, where it never does."""
+    (see :func:`.cpu.pixel_classes` and :meth:`.cuda.SampleOnceCUDA.pixel_classes`); one
+    class, ``(1,)``, where it never does."""
     if target.kind.name == "llvm":
         return cpu_pixel_classes(shape, target)
-    return (1,)
+    return SampleOnceCUDA().pixel_classes(_any_size_definition(shape, target), target)
+
+
+def any_size_quantum(shape: ConvShape, target: Target, min_pixels: int) -> int:
+    """The multiple the forward for any size of ``shape``'s layer pads its pixel axis to, in
+    the size class from ``min_pixels`` (see :func:`pixel_classes`): the CPU's pixel tile, or
+    ``PIXEL_QUANTUM`` (the GEMM's pixel tile) on a GPU."""
+    if target.kind.name == "llvm":
+        return cpu_pixel_quantum(shape, target, min_pixels)
+    return definition.PIXEL_QUANTUM
+
+
+def any_size_pads_inputs(target: Target) -> bool:
+    """Whether the forward for any size on ``target`` takes the offset and mask padded to its
+    quantum (on CPUs, so that its vector loads stay contiguous) or as the call has them (on a
+    GPU, read at a clamped index: no copy, no kernel launch)."""
+    return target.kind.name == "llvm"
+
+
+def _any_size_definition(
+    shape: ConvShape, target: Target, layout: str = "NCHW", min_pixels: int = 1
+) -> tirx.PrimFunc:
+    return definition.forward(
+        shape,
+        layout,
+        pixel_quantum=any_size_quantum(shape, target, min_pixels),
+        sizes="symbolic",
+        min_pixels=min_pixels,
+        padded_inputs=any_size_pads_inputs(target),
+    )
 
 
 def backward_pixel_quantum(shape: ConvShape, target: Target) -> int:
@@ -103,11 +135,7 @@ def forward_schedule(
     on 11 of the 14 suite layers it takes, so it is not the default."""
     if min_pixels is None:
         return apply_default("forward", definition.forward(shape, layout), target)
-    quantum = cpu_pixel_quantum(shape, target, min_pixels)
-    func = definition.forward(
-        shape, layout, pixel_quantum=quantum, sizes="symbolic", min_pixels=min_pixels
-    )
-    return apply_default("forward", func, target)
+    return apply_default("forward", _any_size_definition(shape, target, layout, min_pixels), target)
 
 
 def tensor_core_schedule(
@@ -129,10 +157,11 @@ def tensor_cores_take(shape: ConvShape, target: Target, layout: str = "NCHW") ->
 
 def split_parts(shape: ConvShape, target: Target, layout: str = "NCHW") -> int:
     """Into how many parts :func:`forward_schedule` splits ``shape``'s reduction over thread
-    blocks (:class:`.cuda.SplitReductionCUDA`); 1 where it does not."""
+    blocks (:class:`.cuda.SampleOnceCUDA`) in the kernel of ``shape``'s own size; 1 where it
+    does not."""
     if target.kind.name != "cuda":
         return 1
-    return SplitReductionCUDA().split_parts(definition.forward(shape, layout), target)
+    return SampleOnceCUDA().split_parts(definition.forward(shape, layout), target)
 
 
 def _tensor_core_definition(shape: ConvShape, target: Target, layout: str) -> tirx.PrimFunc | None:

@@ -24,7 +24,13 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 from tvm.target import Target
-from tvm_deform.schedules.common import GEOMETRY, facts, is_deform_conv
+from tvm_deform.schedules.common import (
+    GEOMETRY,
+    facts,
+    geometry_blocks,
+    is_deform_conv,
+    largest_divisor,
+)
 from tvm_deform.schedules.rule import Choices, Rule
 
 #: a thread block's shared memory on every NVIDIA GPU since Volta without opting in to more
@@ -42,10 +48,13 @@ def shared_budget(target: Target, share: float) -> int:
 class OnePassCUDA(Rule):
     """The one-pass CUDA schedule of the forward PrimFunc (see the module docstring). Its
     space samples the register block's rows along the output channels, among the tiles of
-    ``out_tiles`` with the default's threads whose staged columns fit in shared memory."""
+    ``out_tiles`` with the default's threads whose staged columns fit in shared memory. Not
+    the default (``SampleOnceCUDA`` is): each output-channel tile samples its columns again;
+    a design space, where a layer with few output channels may still be faster fused."""
 
     kernel = "forward"
     target_kind = "cuda"
+    default = False
 
     #: threads along the pixels, and the register block's pixels per thread
     threads_p, regs_p = 16, 4
@@ -89,13 +98,14 @@ class OnePassCUDA(Rule):
         """The register block's rows along the output channels: ``regs_o``, or in a space a
         sampled choice among the tiles with ``threads_o`` threads within ``budget``."""
         rows = [r for t, r in self.out_tiles if t == threads_o]
-        return choose(rows, regs_o, lambda r: self.shared_bytes(sch, threads_o, r) <= budget)
+        return choose(rows, regs_o, lambda r: self.fits(sch, threads_o, r, budget))
 
     def shared_bytes(self, sch: s_tir.Schedule, threads_o: int, regs_o: int) -> int:
         """Shared memory one thread block stages with this output tile (an upper bound);
         ``sch`` holds the unscheduled forward PrimFunc."""
         conv = sch.get(sch.get_sblock("conv"))
-        _, outputs, _, weight_in, taps = (int(v.dom.extent) for v in conv.iter_vars)
+        _, outputs, _, weight_in, taps = (v.dom.extent for v in conv.iter_vars)
+        outputs, weight_in, taps = int(outputs), int(weight_in), int(taps)
         columns = sch.get(sch.get_sblock("columns")).writes[0].source
         channels = int(columns.shape[1])
         elem = columns.dtype.bits // 8
@@ -106,6 +116,11 @@ class OnePassCUDA(Rule):
         staged = groups * per_chunk * taps * self.threads_p * self.regs_p
         return (staged + tile_o * per_chunk * taps) * elem
 
+    def fits(self, sch: s_tir.Schedule, threads_o: int, regs_o: int, budget: int) -> bool:
+        """Whether the output tile of ``threads_o x regs_o`` channels stages at most ``budget``
+        bytes of shared memory for the unscheduled PrimFunc in ``sch``."""
+        return self.shared_bytes(sch, threads_o, regs_o) <= budget
+
     def _channels_per_chunk(self, weight_in: int, taps: int) -> int:
         return max(1, min(weight_in, self.chunk // taps))
 
@@ -113,7 +128,7 @@ class OnePassCUDA(Rule):
         """(threads, registers) along the output channels for the unscheduled PrimFunc in
         ``sch``: the first of ``out_tiles`` within ``budget`` bytes of shared memory."""
         for threads_o, regs_o in self.out_tiles:
-            if self.shared_bytes(sch, threads_o, regs_o) <= budget:
+            if self.fits(sch, threads_o, regs_o, budget):
                 return threads_o, regs_o
         return self.out_tiles[-1]
 
@@ -131,6 +146,20 @@ class OnePassCUDA(Rule):
         blocks, threads = sch.split(fused, [None, self.geometry_threads])
         self._bind(sch, blocks, "blockIdx.x")
         self._bind(sch, threads, "threadIdx.x")
+
+    def _bind_tile(self, sch: s_tir.Schedule, part: list, n, o_outer, p_outer) -> None:
+        """Bind the loops over a GEMM's output tiles (and the parts of a split reduction) to
+        the thread blocks: fused, along ``blockIdx.x``."""
+        self._bind(sch, sch.fuse(*part, n, o_outer, p_outer), "blockIdx.x")
+
+    def _stage_columns(self, sch: s_tir.Schedule, conv, columns, r_outer):
+        """Stage the chunk of the columns the GEMM ``conv`` multiplies in shared memory at
+        ``r_outer`` and return the block that fills it: here ``columns`` itself, sampled
+        straight into shared memory (its scope is set first: compute_at sizes a shared buffer
+        for the whole thread block)."""
+        sch.set_scope(columns, 0, self._shared)
+        sch.compute_at(columns, r_outer)
+        return columns
 
     def _cooperative(self, sch: s_tir.Schedule, block, depth: int, threads_o: int) -> None:
         """Spread ``block``'s loops below the first ``depth`` (a shared-memory fill) over the
@@ -165,8 +194,7 @@ class OnePassCUDA(Rule):
         sch.reorder(
             *part, n, o_outer, p_outer, o_thread, p_thread, r_outer, r_inner, rk, o_reg, p_reg
         )
-        tile = sch.fuse(*part, n, o_outer, p_outer)
-        self._bind(sch, tile, "blockIdx.x")
+        self._bind_tile(sch, part, n, o_outer, p_outer)
         self._bind(sch, o_thread, "threadIdx.y")
         self._bind(sch, p_thread, "threadIdx.x")
         if part:
@@ -175,15 +203,18 @@ class OnePassCUDA(Rule):
             sch.compute_inline(acc)
             sch.reverse_compute_at(output, p_thread)
 
-        # The chunk's weights and sampled columns, filled by all threads of the block (the
-        # scope is set first: compute_at sizes a shared buffer for the whole thread block).
+        # The chunk's weights and sampled columns, filled by all threads of the block.
         weight = sch.cache_read(conv, weight_index, self._shared)
-        sch.set_scope(columns, 0, self._shared)
         sch.compute_at(weight, r_outer)
-        sch.compute_at(columns, r_outer)
+        columns = self._stage_columns(sch, conv, columns, r_outer)
         # Loops above the fill: the tile, the two thread loops and the chunk loop.
-        self._cooperative(sch, weight, 4, threads_o)
-        self._cooperative(sch, columns, 4, threads_o)
+        chunk = sch.get(r_outer)
+        depths = [
+            1 + next(i for i, loop in enumerate(sch.get_loops(fill)) if sch.get(loop).same_as(chunk))
+            for fill in (weight, columns)
+        ]
+        for fill, depth in zip((weight, columns), depths, strict=True):
+            self._cooperative(sch, fill, depth, threads_o)
 
         sch.unroll(o_reg)
         sch.unroll(p_reg)
@@ -227,11 +258,18 @@ class SplitReductionCUDA(OnePassCUDA):
         most = max(1, min(weight_in, self.chunk // taps))
         return next(c for c in range(most, 0, -1) if weight_in % c == 0)
 
-    def tiles(self, sch: s_tir.Schedule, threads_o: int, regs_o: int) -> int:
-        """Thread blocks of ``OnePassCUDA``'s GEMM for the unscheduled PrimFunc in ``sch``."""
-        n, outputs, pixels, *_ = (
-            int(v.dom.extent) for v in sch.get(sch.get_sblock("conv")).iter_vars
-        )
+    def tiles(
+        self, sch: s_tir.Schedule, threads_o: int, regs_o: int, pixels: int | None = None
+    ) -> int:
+        """Thread blocks of ``OnePassCUDA``'s GEMM for the unscheduled PrimFunc in ``sch``: at
+        its size, or for one image of ``pixels`` pixels; for a PrimFunc for any size, at the
+        fewest pixels it is built for (its ``min_pixels``), one image."""
+        n, outputs, extent, *_ = (v.dom.extent for v in sch.get(sch.get_sblock("conv")).iter_vars)
+        if pixels is None and not isinstance(extent, tirx.IntImm):
+            pixels = int(sch.mod["main"].attrs["min_pixels"])
+        if pixels is not None:
+            n, extent = 1, pixels
+        n, outputs, pixels = int(n), int(outputs), int(extent)
         per_block_o, per_block_p = threads_o * regs_o, self.threads_p * self.regs_p
         return n * -(-outputs // per_block_o) * -(-pixels // per_block_p)
 
@@ -244,14 +282,19 @@ class SplitReductionCUDA(OnePassCUDA):
         return self.enough_blocks
 
     def choose_parts(
-        self, sch: s_tir.Schedule, threads_o: int, regs_o: int, blocks: int | None = None
+        self,
+        sch: s_tir.Schedule,
+        threads_o: int,
+        regs_o: int,
+        blocks: int | None = None,
+        pixels: int | None = None,
     ) -> int:
         """The fewest parts (a power of two dividing the input channels per group, at most
         ``max_parts``, each of at least ``min_part_channels``) that give ``blocks`` thread
-        blocks (default ``enough_blocks``)."""
+        blocks (default ``enough_blocks``); ``pixels`` as in :meth:`tiles`."""
         conv = sch.get(sch.get_sblock("conv"))
         weight_in = int(conv.iter_vars[3].dom.extent)
-        tiles, parts = self.tiles(sch, threads_o, regs_o), 1
+        tiles, parts = self.tiles(sch, threads_o, regs_o, pixels), 1
         while (
             tiles * parts < (blocks or self.enough_blocks)
             and parts * 2 <= self.max_parts
@@ -313,3 +356,159 @@ class SplitReductionCUDA(OnePassCUDA):
         self._bind(sch, threads, "threadIdx.x")
         sch.compute_at(sch.get_sblock("conv"), threads)
         return sch
+
+
+class SampleOnceCUDA(SplitReductionCUDA):
+    """The sample-once CUDA schedule of the forward PrimFunc, the default: two kernels, as
+    torchvision's im2col and GEMM, each sampled value computed once, and a third that adds
+    the parts of a split reduction.
+
+    - The sampling kernel writes the columns to global memory (``[n, channel, tap, pixel]``,
+      the im2col matrix). A thread takes one (image, offset group, tap, pixel) and a run of up
+      to ``channels_per_thread`` channels of the group: it computes the geometry once, in
+      registers (the four corners' clamped rows and columns and coefficients), and then
+      samples each channel with four loads and four multiply-adds. Neighbouring threads take
+      neighbouring pixels, so that the offset, mask and column accesses are coalesced.
+    - The GEMM kernel is ``OnePassCUDA``'s, its chunks of columns copied from global memory
+      into shared memory instead of sampled there: a thread block per (image, output-channel
+      tile, pixel tile), the pixel tiles along ``blockIdx.x`` and the others along ``y`` and
+      ``z``, so that with symbolic sizes (a kernel for any size) no index divides by the tile
+      count. The bias/cast epilogue is written from its registers.
+    - Where the output tiles alone would leave most of the GPU idle, the reduction is split
+      into ``parts`` as ``SplitReductionCUDA`` splits it, each part a thread block of its
+      own, and a third kernel adds the parts in a fixed order and applies the epilogue.
+      ``parts`` defaults to ``choose_parts`` at the PrimFunc's size (at the fewest pixels a
+      kernel for any size is built for: see :meth:`pixel_classes`).
+
+    The sampled columns are a workspace of the PrimFunc, which TVM's runtime takes from the
+    device's workspace allocator (torch's caching allocator, see ``runtime.workspace``).
+    Its space samples the parts (1 among them) and the register block's rows."""
+
+    #: pixels a thread block of the sampling kernel covers (one thread each)
+    sample_pixels = 64
+    default = True
+    #: (tap, channel run) pairs per sampling block, beside its pixels
+    sample_rows = 4
+    #: channels a sampling thread runs through with one geometry, at most
+    channels_per_thread = 8
+
+    def apply(
+        self, func: tirx.PrimFunc, target: Target, tunable: bool = False
+    ) -> s_tir.Schedule | None:
+        sch = s_tir.Schedule(func)
+        if not is_deform_conv(sch):
+            return None
+        budget = self.budget(target)
+        parts, threads_o, regs_o = self._plan(sch, target)
+        choose = Choices(sch, tunable)
+        weight_in = int(sch.get(sch.get_loops(sch.get_sblock("conv"))[3]).extent)
+        parts = choose(
+            [p for p in (2**i for i in range(self.max_parts.bit_length())) if p <= self.max_parts],
+            parts,
+            lambda p: p == 1 or (weight_in % p == 0 and weight_in // p >= self.min_part_channels),
+        )
+        regs_o = self.choose_rows(sch, threads_o, regs_o, budget, choose)
+        self._sampling(sch)
+        if isinstance(parts, int) and parts == 1:
+            self._gemm(sch, threads_o, regs_o)
+            return sch
+        _, _, _, rc, _ = sch.get_loops(sch.get_sblock("conv"))
+        part, _ = sch.split(rc, [parts, None])
+        sch.rfactor(part, factor_axis=0)
+        self._gemm(sch, threads_o, regs_o, block="conv_rf")
+        # The sum of the parts and the epilogue: one thread per output, the parts in order.
+        output = sch.get_sblock("output")
+        fused = sch.fuse(*sch.get_loops(output))
+        blocks, threads = sch.split(fused, [None, self.geometry_threads])
+        self._bind(sch, blocks, "blockIdx.x")
+        self._bind(sch, threads, "threadIdx.x")
+        sch.compute_at(sch.get_sblock("conv"), threads)
+        return sch
+
+    def pixel_classes(self, func: tirx.PrimFunc, target: Target) -> tuple[int, ...]:
+        """The pixel counts (of one image, padded to ``PIXEL_QUANTUM``) from which the default
+        splits the reduction of ``func``'s layer into fewer parts on ``target``, ascending,
+        the first 1: a kernel for any size is built per class, with the parts
+        ``choose_parts`` gives at the class's fewest pixels. At most three: the most parts,
+        at most 4, and none."""
+        sch = s_tir.Schedule(func)
+        if not is_deform_conv(sch) or self.parts:
+            return (1,)
+        threads_o, regs_o = self.out_tile(sch, self.budget(target))
+        outputs = int(sch.get(sch.get_sblock("conv")).iter_vars[1].dom.extent)
+        out_tiles = -(-outputs // (threads_o * regs_o))
+        wanted = self.blocks_wanted(target)
+        tile = self.threads_p * self.regs_p
+        classes, parts = [1], [self.choose_parts(sch, threads_o, regs_o, wanted, 1)]
+        for blocks in (wanted // 4, wanted):
+            pixels = tile * -(-blocks // out_tiles)
+            split = self.choose_parts(sch, threads_o, regs_o, wanted, pixels)
+            if pixels > classes[-1] and split != parts[-1]:
+                classes.append(pixels)
+                parts.append(split)
+        return tuple(classes)
+
+    def _plan(self, sch: s_tir.Schedule, target: Target) -> tuple[int, int, int]:
+        threads_o, regs_o = self.out_tile(sch, self.budget(target))
+        if self.parts:
+            return self.parts, threads_o, regs_o
+        parts = self.choose_parts(sch, threads_o, regs_o, self.blocks_wanted(target))
+        return parts, threads_o, regs_o
+
+    def _sampling(self, sch: s_tir.Schedule) -> None:
+        """The sampling kernel (see the class docstring)."""
+        columns = sch.get_sblock("columns")
+        geometry = geometry_blocks(sch)
+        if len(geometry) > len(GEOMETRY):
+            sch.compute_inline(geometry[-1])  # a pixel's window corner: a division, inlined
+        n, c, k, p = sch.get_loops(columns)
+        channels = int(sch.get(c).extent)
+        groups = int(sch.get(sch.get_loops(geometry[0])[1]).extent)
+        run = largest_divisor(channels // groups, self.channels_per_thread)
+        g, c_run, c_inner = sch.split(c, [groups, None, run])
+        p_outer, p_thread = sch.split(p, [None, self.sample_pixels])
+        sch.reorder(n, p_outer, g, k, c_run, p_thread, c_inner)
+        rows = sch.fuse(g, k, c_run)
+        row_outer, row_thread = sch.split(rows, [None, self.sample_rows])
+        sch.reorder(n, p_outer, row_outer, row_thread, p_thread)
+        self._bind(sch, p_outer, "blockIdx.x")
+        self._bind(sch, row_outer, "blockIdx.y")
+        self._bind(sch, n, "blockIdx.z")
+        self._bind(sch, row_thread, "threadIdx.y")
+        self._bind(sch, p_thread, "threadIdx.x")
+        depth = len(sch.get_loops(columns)) - 1  # the loops above a thread's channel run
+        for block in geometry[: len(GEOMETRY)]:
+            sch.set_scope(block, 0, "local")
+            sch.compute_at(block, p_thread)
+            for loop in sch.get_loops(block)[depth:]:
+                sch.unroll(loop)
+        sch.unroll(c_inner)
+
+    def _bind_tile(self, sch: s_tir.Schedule, part: list, n, o_outer, p_outer) -> None:
+        if part:
+            sch.reorder(*part, o_outer, n)
+            o_outer = sch.fuse(*part, o_outer)
+        self._bind(sch, p_outer, "blockIdx.x")
+        self._bind(sch, o_outer, "blockIdx.y")
+        self._bind(sch, n, "blockIdx.z")
+
+    def _stage_columns(self, sch: s_tir.Schedule, conv, columns, r_outer):
+        index = next(
+            i for i, region in enumerate(sch.get(conv).reads) if region.source.name == "columns"
+        )
+        staged = sch.cache_read(conv, index, self._shared)
+        sch.compute_at(staged, r_outer)
+        return staged
+
+    def fits(self, sch: s_tir.Schedule, threads_o: int, regs_o: int, budget: int) -> bool:
+        """Also: the output tile divides the output channels of a group, or they divide it.
+        TVM bounds the staged columns of a tile by its channels' groups (``o // per_group``),
+        without the predicate of a ragged last tile: a tile of 32 over 24 channels staged the
+        columns of two groups, every channel of an ungrouped layer."""
+        conv = sch.get(sch.get_sblock("conv"))
+        outputs = int(conv.iter_vars[1].dom.extent)
+        weight_in = int(conv.iter_vars[3].dom.extent)
+        channels = int(sch.get(sch.get_sblock("columns")).writes[0].source.shape[1])
+        per_group, tile = outputs // (channels // weight_in), threads_o * regs_o
+        aligned = per_group % tile == 0 or tile % per_group == 0
+        return aligned and super().fits(sch, threads_o, regs_o, budget)

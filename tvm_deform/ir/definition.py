@@ -230,8 +230,10 @@ class _Sampling:
         offset: te.Tensor,
         mask: te.Tensor | None,
         quantum: int = PIXEL_QUANTUM,
+        padded_inputs: bool = True,
     ):
         self.shape = shape
+        self.padded_inputs = padded_inputs
         self.offset = offset
         self.mask = mask
         self.acc = shape.accumulator_dtype
@@ -262,8 +264,10 @@ class _Sampling:
         """The pixel index the offset and mask are read at. A kernel for any size reads them
         padded to its quantum by the caller, with the last pixel repeated (see
         :func:`forward`), so that its vector loads stay contiguous: a clamped index makes every
-        one of them a gather (measured: up to a fifth of a layer's time)."""
-        return p if not isinstance(self.pixels, int) else self.source(p)
+        one of them a gather (measured: up to a fifth of a layer's time). Without
+        ``padded_inputs``, a kernel for any size reads them as the call has them, at the
+        clamped index: a GPU thread reads one pixel, and a copy would be a kernel launch more."""
+        return p if self.padded_inputs and not isinstance(self.pixels, int) else self.source(p)
 
     def point(self, n, g, k, p, axis):
         """(coordinate, clamped floor, image size) of the sample point along ``axis`` (0: y,
@@ -432,12 +436,17 @@ def _columns(
     return te.compute((shape.batch, shape.in_channels, shape.taps, padded), column, name="columns")
 
 
-def _placeholders(shape: ConvShape, layout: str = "NCHW", quantum: int = PIXEL_QUANTUM):
+def _placeholders(
+    shape: ConvShape,
+    layout: str = "NCHW",
+    quantum: int = PIXEL_QUANTUM,
+    padded_inputs: bool = True,
+):
     """The input placeholders; a symbolic shape's offset and mask with their pixels padded to
-    ``quantum`` (see :meth:`_Sampling.input_pixel`)."""
+    ``quantum`` unless not ``padded_inputs`` (see :meth:`_Sampling.input_pixel`)."""
     dtype = shape.dtype
     shapes = shape.buffer_shapes(layout)
-    if not isinstance(shape.out_w, int):
+    if padded_inputs and not isinstance(shape.out_w, int):
         for name in ("offset", "mask") if shape.has_mask else ("offset",):
             *outer, pixels = shapes[name]
             shapes[name] = (*outer, padded_pixels(pixels, quantum))
@@ -458,17 +467,18 @@ def forward_tensors(
     layout: str = "NCHW",
     column_dtype: str | None = None,
     pixel_quantum: int = PIXEL_QUANTUM,
+    padded_inputs: bool = True,
 ) -> list[te.Tensor]:
     """The TE tensors of the forward op: the inputs (the input in ``layout``) followed by the
-    output. ``column_dtype`` and ``pixel_quantum``: see :func:`forward`."""
+    output. ``column_dtype``, ``pixel_quantum`` and ``padded_inputs``: see :func:`forward`."""
     dtype, acc = shape.dtype, shape.accumulator_dtype
     pixels = shape.out_h * shape.out_w
     padded = padded_pixels(pixels, pixel_quantum)
     weight_in = shape.in_channels // shape.weight_groups
     out_per_group = shape.out_channels // shape.weight_groups
 
-    data, offset, mask, weight, bias = _placeholders(shape, layout, pixel_quantum)
-    sampling = _Sampling(shape, offset, mask, pixel_quantum)
+    data, offset, mask, weight, bias = _placeholders(shape, layout, pixel_quantum, padded_inputs)
+    sampling = _Sampling(shape, offset, mask, pixel_quantum, padded_inputs)
     columns = _columns(shape, data, sampling.geometry(select=True), padded, layout, column_dtype)
 
     def column(n, o, rc, rk, p):
@@ -505,6 +515,7 @@ def forward(
     pixel_quantum: int = PIXEL_QUANTUM,
     sizes: str = "static",
     min_pixels: int = 0,
+    padded_inputs: bool = True,
 ) -> tirx.PrimFunc:
     """The forward PrimFunc of ``shape``, unscheduled, named ``deform_conv2d``.
 
@@ -529,7 +540,8 @@ def forward(
     and width as variables), its pixel axis always padded to ``pixel_quantum``; it takes the
     offset and mask with their pixels padded that way too, the last pixel repeated (the
     caller's copy when the count is not a multiple), and ``min_pixels`` is what its schedule may
-    assume of the pixel count.
+    assume of the pixel count. With ``padded_inputs=False`` it takes them as the call has them
+    and reads the padding pixels at the last real one (what the CUDA kernels do: no copy).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -537,7 +549,7 @@ def forward(
         raise ValueError(f"sizes must be one of {SIZES}, got {sizes!r}")
     if sizes == "symbolic":
         shape = symbolic(shape)
-    tensors = forward_tensors(shape, layout, column_dtype, pixel_quantum)
+    tensors = forward_tensors(shape, layout, column_dtype, pixel_quantum, padded_inputs)
     func = _prim_func(tensors, "deform_conv2d")
     if sizes == "symbolic":
         # What a schedule may assume of the sizes it cannot see: the pixel axis is a multiple

@@ -42,10 +42,10 @@ def run_forward(
         kernel = kernels.get_kernel(shape, device_target(input.device), layout=layout)
     if not cuda:
         kernels.configure_threads(torch.get_num_threads())
-    any_size = isinstance(kernel, kernels.AnySizeKernel)
+    pads = isinstance(kernel, kernels.AnySizeKernel) and kernel.padded_inputs
     pixels = shape.out_h * shape.out_w
-    # A kernel for any size reads the offset and mask padded to its quantum.
-    padded = definition.padded_pixels(pixels, kernel.quantum, always=True) if any_size else pixels
+    # A kernel for any size on a CPU reads the offset and mask padded to its quantum.
+    padded = definition.padded_pixels(pixels, kernel.quantum, always=True) if pads else pixels
     # .contiguous() returns the tensor itself when it already is; the views below are free, so a
     # contiguous tensor reaches the kernel without a copy (TVM reads torch memory via DLPack).
     args = [

@@ -53,12 +53,14 @@ log = logging.getLogger(__name__)
 
 class AnySizeKernel(NamedTuple):
     """A forward kernel for every size of its layer (see :func:`any_size`), called like any
-    other, with its offset and mask padded along the pixels to ``quantum`` by repeating the last
-    one (see :func:`tvm_deform.ir.definition.forward`)."""
+    other; on CPUs with its offset and mask padded along the pixels to ``quantum`` by repeating
+    the last one (``padded_inputs``; see :func:`tvm_deform.ir.definition.forward`)."""
 
     function: Kernel
     #: the multiple the kernel's pixel axis is padded to
     quantum: int
+    #: whether it takes the offset and mask padded to ``quantum`` (else as the call has them)
+    padded_inputs: bool = True
 
     def __call__(self, *args) -> None:
         self.function(*args)
@@ -351,15 +353,17 @@ def any_size(
     shape: ConvShape, target: Target, tuned: bool, layout: str = "NCHW", op: str = "forward"
 ) -> bool:
     """Whether ``shape``'s ``op`` ("forward" or "backward") runs kernels compiled for every
-    size of its layer (batch, height and width symbolic), not for its own size: on CPUs,
-    unless ``TVM_DEFORM_SIZES=static``, the call's buffers pass 2^31 elements (int32 indices),
-    or this machine's own tuning logs hold records of exactly this shape (``tuned``: a kernel
-    of its size tuned here is faster). Other machines' records do not count: timing them
-    here at a size's first use takes seconds, which a stream of sizes would pay again and
-    again (``TVM_DEFORM_SIZES=static`` times them, as before)."""
+    size of its layer (batch, height and width symbolic), not for its own size: on CPUs, and
+    on GPUs for the forward of an NCHW input, unless ``TVM_DEFORM_SIZES=static``, the call's
+    buffers pass 2^31 elements (int32 indices), or this machine's own tuning logs hold records
+    of exactly this shape (``tuned``: a kernel of its size tuned here is faster). Other
+    machines' records do not count: timing them here at a size's first use takes seconds,
+    which a stream of sizes would pay again and again (``TVM_DEFORM_SIZES=static`` times
+    them, as before)."""
+    kind = target.kind.name
     return (
         env.sizes() == "any"
-        and target.kind.name == "llvm"
+        and (kind == "llvm" or (kind == "cuda" and op == "forward" and layout == "NCHW"))
         and shape.largest_forward_buffer() <= definition.INT32_MAX
         and not (tuned and layout == "NCHW" and shape in records.tuned_shapes(target, op))
     )
@@ -414,8 +418,9 @@ def _any_size_class(layer: ConvShape, target: Target, layout: str, min_pixels: i
             ),
             _describe(layer, target, op, "default"),
         )
-        quantum = schedules.cpu_pixel_quantum(layer, target, min_pixels)
-        return AnySizeKernel(module["deform_conv2d"], quantum)
+        quantum = schedules.any_size_quantum(layer, target, min_pixels)
+        padded = schedules.any_size_pads_inputs(target)
+        return AnySizeKernel(module["deform_conv2d"], quantum, padded)
 
     return _memoised(("forward", layer, layout, min_pixels, _target_text(target)), load)
 

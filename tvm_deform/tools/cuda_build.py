@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 # TVM's thread variables are set by tvm_deform.env, which the package's __init__ imports before
 # any module that imports TVM.
+from tvm_deform import schedules
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import records
 from tvm_deform.runtime.kernels import compile_kernel, compile_schedule
@@ -40,14 +41,39 @@ def cuda_source(
     return "\n".join(sources)
 
 
+def any_size_sources(shape: ConvShape, arch: str) -> dict[int, str]:
+    """The CUDA C sources of the forward kernels for any size of ``shape``'s layer on ``arch``
+    (batch, height and width symbolic), one per size class: the class's fewest pixels -> its
+    source (see :func:`tvm_deform.schedules.pixel_classes`)."""
+    target = cuda_target(arch)
+    return {
+        pixels: cuda_source(
+            shape, arch, schedule=schedules.forward_schedule(shape, target, min_pixels=pixels)
+        )
+        for pixels in schedules.pixel_classes(shape, target)
+    }
+
+
 @dataclasses.dataclass(frozen=True)
 class CudaBuild:
     """Machine code built by nvcc from a generated CUDA source, and what ptxas reported."""
 
     arch: str
     cubin: bytes
-    #: kernel name -> ptxas's resource line ("Used 40 registers, used 1 barriers, ...")
+    #: kernel name -> ptxas's resource lines ("0 bytes stack frame, 0 bytes spill stores, 0
+    #: bytes spill loads; Used 40 registers, used 1 barriers, ...")
     kernels: dict[str, str]
+
+    def spills(self) -> dict[str, str]:
+        """The kernels that spill registers to local memory or keep a stack frame there, with
+        their resource lines (empty when none does)."""
+        import re
+
+        return {
+            name: line
+            for name, line in self.kernels.items()
+            if re.search(r"[1-9]\d* bytes (stack frame|spill)", line)
+        }
 
     @property
     def machine_arch(self) -> int:
@@ -74,13 +100,16 @@ def nvcc_build(source: str, arch: str, nvcc: str = "nvcc") -> CudaBuild:
         )
         if result.returncode != 0:
             raise RuntimeError(f"nvcc failed for {arch}:\n{result.stderr}")
-        kernels, current = {}, None
+        kernels, frames, current = {}, {}, None
         for line in result.stderr.splitlines():
             entry = re.search(r"Compiling entry function '(\w+)' for '(\w+)'", line)
             if entry:
                 current = entry.group(1)
+            elif current and "bytes stack frame" in line:
+                frames[current] = line.strip()
             elif current and "Used" in line:
-                kernels[current] = line.split(":", 1)[1].strip()
+                used = line.split(":", 1)[1].strip()
+                kernels[current] = f"{frames[current]}; {used}" if current in frames else used
         return CudaBuild(arch, cubin.read_bytes(), kernels)
 
 
