@@ -218,6 +218,124 @@ def test_emulated_cuda_schedule_on_a_depthwise_suite_layer():
     assert_close(ours, torchvision.ops.deform_conv2d(**args), 1e-6)
 
 
+def emulated_any_size_kernel(shape: ConvShape, parts: int | None = None):
+    """``SampleOnceCUDA``'s kernel for every size of ``shape``'s layer (its pixels padded to
+    ``PIXEL_QUANTUM``, the offset and mask read as the call has them), compiled for this CPU
+    without the thread bindings, called as the op calls a CUDA kernel for any size."""
+    from tvm_deform.runtime.kernels import AnySizeKernel
+
+    func = definition.forward(shape, sizes="symbolic", padded_inputs=False)
+    sch = SampleOnceCUDA(parts, emulate=True).apply(func, targets.host_target())
+    built = tvm.compile(sch.mod, target=targets.host_target())
+    return AnySizeKernel(built["deform_conv2d"], definition.PIXEL_QUANTUM, padded_inputs=False)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[f"cfg{i}" for i in range(len(CONFIGS))])
+def test_emulated_sample_once_schedule_matches_torchvision(cfg):
+    """The default CUDA forward's structure (the sampling kernel and the GEMM), per size and
+    for any size, without the thread bindings, run on the CPU against torchvision."""
+    shape = shape_of(cfg)
+    args = make_inputs(cfg, torch.float32)
+    expected = torchvision.ops.deform_conv2d(**args)
+    arguments = [args[n] for n in ("input", "offset", "weight", "bias", "mask")]
+    static = emulated_kernel(shape, SampleOnceCUDA(emulate=True))
+    assert_close(run_forward(shape, *arguments, static), expected, 1e-6)
+    assert_close(run_forward(shape, *arguments, emulated_any_size_kernel(shape)), expected, 1e-6)
+
+
+#: sizes no suite layer has, for one layer's kernel for any size: odd maps, 1x1 maps, an empty
+#: batch, a batch of 5, and maps of less than one GEMM tile (64 pixels) and of many
+ANY_SIZES = [(1, 13, 17), (2, 1, 1), (1, 8, 8), (1, 5, 13), (0, 9, 9), (5, 11, 6), (1, 40, 37)]
+
+
+@pytest.mark.parametrize("parts", [1, 2], ids=["one_pass", "split"])
+def test_one_emulated_cuda_kernel_takes_every_size(parts):
+    layer = ConvShape(0, 32, 0, 0, 48, 3, 3, 2, 1, 2, 1, 2, 1, offset_groups=2, has_bias=True)
+    kernel = emulated_any_size_kernel(layer, parts)
+    for batch, height, width in ANY_SIZES:
+        shape = dataclasses.replace(layer, batch=batch, height=height, width=width)
+        inputs = random_inputs(shape)
+        ours = run_forward(shape, **inputs, kernel=kernel)
+        expected = torchvision.ops.deform_conv2d(**inputs, **conv_kwargs(shape))
+        assert ours.shape == expected.shape
+        assert_close(ours, expected, 1e-6, f"{batch}x{height}x{width}")
+        # The parts are added in a fixed order: the same bits again.
+        assert torch.equal(ours, run_forward(shape, **inputs, kernel=kernel))
+
+
+def test_half_precision_sample_once_matches_the_upcast_reference():
+    """float16 and bfloat16 layers on the default CUDA structure for any size, emulated:
+    within rounding of torchvision's float64 result on the upcast inputs (torchvision's CPU op
+    has no half-precision kernel)."""
+    for dtype in (torch.float16, torch.bfloat16):
+        layer = ConvShape(0, 16, 0, 0, 32, 3, 3, pad_h=1, pad_w=1, has_bias=True)
+        layer = dataclasses.replace(layer, dtype=str(dtype).removeprefix("torch."))
+        kernel = emulated_any_size_kernel(layer, 1)
+        for batch, height, width in ((1, 9, 7), (2, 12, 12)):
+            shape = dataclasses.replace(layer, batch=batch, height=height, width=width)
+            inputs = random_inputs(shape)
+            ours = run_forward(shape, **inputs, kernel=kernel)
+            upcast = {k: v.double() if v is not None else None for k, v in inputs.items()}
+            expected = torchvision.ops.deform_conv2d(**upcast, **conv_kwargs(shape))
+            assert ours.dtype == dtype
+            assert_close(ours.double(), expected, HALF_TOLERANCE[dtype])
+
+
+#: what torch may do in a call of ours without launching a kernel on a GPU: allocate, view
+LAUNCH_FREE_OPS = {
+    "aten::empty",
+    "aten::empty_like",
+    "aten::empty_strided",
+    "aten::new_empty",
+    "aten::view",
+    "aten::reshape",
+    "aten::_unsafe_view",
+    "aten::as_strided",
+    "aten::alias",
+    "aten::detach",
+    "aten::lift_fresh",
+}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name", ["r50dcn320_c5_512x10x10", "r50dcn320_c3_128x40x40"])
+def test_a_cuda_call_launches_at_most_three_kernels(name, monkeypatch):
+    """The kernels one forward call of the public op launches on a GPU: the CUDA module's own
+    (the sampling kernel, the GEMM, and the sum of the parts of a split reduction), each
+    launched once, and none of torch's: the call pads, transposes and zeroes nothing. The
+    call is made on the CPU, through the op's own path, with the CUDA kernel's structure
+    emulated; torch's profiler lists what torch did in it."""
+    from tvm_deform.runtime import kernels
+
+    layer = SUITE[name].any_size()
+    shape = dataclasses.replace(layer, batch=2, height=23, width=31)
+    target = targets.cuda_target("sm_90", 132)
+    pixels = kernels._size_class(shape, schedules.pixel_classes(shape, target))
+    sch = schedules.forward_schedule(shape, target, min_pixels=pixels)
+    with target:
+        built = tvm.compile(sch.mod, target=target)
+    source = "\n".join(m.inspect_source("cuda") for m in built.mod.imports if m.kind == "cuda")
+    ours = set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", source))
+    assert 2 <= len(ours) <= 3
+    # Each kernel has one launch site: the host function (LLVM IR) looks up its handle once.
+    host = built.mod.inspect_source("ll")
+    for kernel in ours:
+        sites = re.findall(rf"load ptr, ptr @\.tvm_func\.{kernel},", host)
+        assert len(sites) == 1, kernel
+
+    parts = schedules.split_parts(shape, target)
+    emulated = emulated_any_size_kernel(layer, parts)
+    monkeypatch.setattr(kernels, "get_kernel", lambda *args, **kwargs: emulated)
+    inputs = random_inputs(shape)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        output = deform_conv2d(**inputs, **conv_kwargs(shape))
+    torch_ops = {event.name for event in profile.events() if event.name.startswith("aten::")}
+    assert "aten::view" in torch_ops  # the profiler sees inside the op
+    assert torch_ops <= LAUNCH_FREE_OPS, torch_ops - LAUNCH_FREE_OPS
+    expected = torchvision.ops.deform_conv2d(**inputs, **conv_kwargs(shape))
+    assert_close(output, expected, 1e-6)
+
+
 #: layers the tensor-core rule takes (ungrouped; output channels, padded pixels and
 #: in_channels x taps multiples of 16): batch 2 with offset groups and a bias, a strided one,
 #: a 1x3 DCNv1 layer with 3 offset groups, and 3 images of 16 pixels (tiles of one fragment)
