@@ -382,7 +382,7 @@ class SampleOnceCUDA(SplitReductionCUDA):
 
     The sampled columns are a workspace of the PrimFunc, which TVM's runtime takes from the
     device's workspace allocator (torch's caching allocator, see ``runtime.workspace``).
-    Its space samples the parts (1 among them) and the register block's rows."""
+    Its spaces sample the register block's rows, and the parts of the split one."""
 
     #: pixels a thread block of the sampling kernel covers (one thread each)
     sample_pixels = 64
@@ -394,20 +394,35 @@ class SampleOnceCUDA(SplitReductionCUDA):
 
     def apply(
         self, func: tirx.PrimFunc, target: Target, tunable: bool = False
-    ) -> s_tir.Schedule | None:
-        sch = s_tir.Schedule(func)
-        if not is_deform_conv(sch):
+    ) -> s_tir.Schedule | list[s_tir.Schedule] | None:
+        """The default schedule; as a design space, two: the reduction in one pass, and split
+        into a sampled number of parts (where the channels can be split)."""
+        if not is_deform_conv(s_tir.Schedule(func)):
             return None
-        budget = self.budget(target)
-        parts, threads_o, regs_o = self._plan(sch, target)
-        choose = Choices(sch, tunable)
+        sch = s_tir.Schedule(func)
+        parts = self._plan(sch, target)[0]
         weight_in = int(sch.get(sch.get_loops(sch.get_sblock("conv"))[3]).extent)
-        parts = choose(
-            [p for p in (2**i for i in range(self.max_parts.bit_length())) if p <= self.max_parts],
-            parts,
-            lambda p: p == 1 or (weight_in % p == 0 and weight_in // p >= self.min_part_channels),
-        )
-        regs_o = self.choose_rows(sch, threads_o, regs_o, budget, choose)
+        if not tunable:
+            if weight_in % parts:
+                return None  # a part holds whole channels
+            return self._schedule(sch, target, parts, False)
+        spaces = [self._schedule(s_tir.Schedule(func), target, 1, True)]
+        splits = [
+            p
+            for p in (2**i for i in range(1, self.max_parts.bit_length()))
+            if p <= self.max_parts and weight_in % p == 0 and weight_in // p >= self.min_part_channels
+        ]
+        if splits:
+            sampled = Choices(sch, True)(splits, parts)
+            spaces.append(self._schedule(sch, target, sampled, True))
+        return spaces
+
+    def _schedule(self, sch: s_tir.Schedule, target: Target, parts, tunable: bool):
+        """Lay out the kernels in ``sch`` with the reduction in ``parts`` (an int, or a
+        sampled choice of at least 2)."""
+        budget = self.budget(target)
+        _, threads_o, regs_o = self._plan(sch, target)
+        regs_o = self.choose_rows(sch, threads_o, regs_o, budget, Choices(sch, tunable))
         self._sampling(sch)
         if isinstance(parts, int) and parts == 1:
             self._gemm(sch, threads_o, regs_o)
