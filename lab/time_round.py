@@ -1,0 +1,223 @@
+"""Time a round of tuning candidates (see ``tvm_deform.tools.rounds``) on the machine that
+measures them, and check each one's output against torchvision's.
+
+    python lab/time_round.py ROUND_DIR --out results.jsonl [--deadline 480] [--min-ms 20]
+
+A CUDA round runs on a GPU machine with torch, torchvision and CuPy, and without TVM or this
+package: each candidate is a cubin that CuPy loads, launched as its launch plan says, its
+scratch buffers allocated by torch. An LLVM round (the rehearsal on a CPU) runs each
+candidate's shared library through TVM's runtime. One JSON line per candidate is appended to
+``--out`` as soon as it is timed (``run_secs``: seconds per call of each repeat) or has failed
+(``error``: a load or launch error, or an output that differs from torchvision's); a candidate
+that would start after ``--deadline`` seconds is left untimed, and the script says how many.
+Candidates already in ``--out`` are skipped, so that a call cut short can be run again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+#: how far a candidate's output may be from torchvision's (norm-relative), per dtype
+TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "float16": 5e-3, "bfloat16": 3e-2}
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int32": torch.int32,
+}
+
+
+def inputs(workload: dict, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random arguments of the workload's PrimFunc (the output zeroed), as torch tensors."""
+    generator = torch.Generator().manual_seed(seed)
+    found = {}
+    for arg in workload["args"]:
+        shape, dtype = arg["shape"], DTYPES[arg["dtype"]]
+        value = torch.randn(shape, generator=generator, dtype=torch.float64)
+        if arg["name"] == "offset":
+            value = value * 2.0
+        elif arg["name"] == "mask":
+            value = torch.rand(shape, generator=generator, dtype=torch.float64)
+        elif arg["name"] == "output":
+            value = torch.zeros(shape, dtype=torch.float64)
+        found[arg["name"]] = value.to(device=device, dtype=dtype)
+    return found
+
+
+def reference(workload: dict, args: dict[str, torch.Tensor]) -> torch.Tensor:
+    """torchvision's output for the arguments (computed in float32 for half dtypes)."""
+    import torchvision.ops
+
+    shape = workload["shape"]
+    batch, out_h, out_w = shape["batch"], _out(shape, "h"), _out(shape, "w")
+    kh, kw = shape["kernel_h"], shape["kernel_w"]
+    wide = (lambda t: t.float()) if args["data"].dtype in (torch.float16, torch.bfloat16) else (
+        lambda t: t
+    )
+    mask = args.get("mask")
+    result = torchvision.ops.deform_conv2d(
+        wide(args["data"]),
+        wide(args["offset"]).reshape(batch, -1, out_h, out_w),
+        wide(args["weight"]).reshape(shape["out_channels"], -1, kh, kw),
+        wide(args["bias"]) if "bias" in args else None,
+        (shape["stride_h"], shape["stride_w"]),
+        (shape["pad_h"], shape["pad_w"]),
+        (shape["dilation_h"], shape["dilation_w"]),
+        None if mask is None else wide(mask).reshape(batch, -1, out_h, out_w),
+    )
+    return result.reshape(batch, shape["out_channels"], out_h * out_w)
+
+
+def _out(shape: dict, axis: str) -> int:
+    size, pad = shape["height" if axis == "h" else "width"], shape[f"pad_{axis}"]
+    kernel, dilation = shape[f"kernel_{axis}"], shape[f"dilation_{axis}"]
+    return (size + 2 * pad - (dilation * (kernel - 1) + 1)) // shape[f"stride_{axis}"] + 1
+
+
+class CudaCandidate:
+    """A CUDA candidate: its cubin loaded by CuPy, its launch plan run on torch's tensors."""
+
+    def __init__(self, directory: Path, entry: dict, args: dict[str, torch.Tensor]):
+        import cupy
+
+        self.cupy = cupy
+        module = cupy.RawModule(path=str(directory / entry["cubin"]))
+        buffers = {name: cupy.asarray(tensor) for name, tensor in args.items()}
+        for name, scratch in entry["scratch"].items():
+            dtype = DTYPES[scratch["dtype"]]
+            tensor = torch.empty(scratch["elements"], dtype=dtype, device=args["data"].device)
+            buffers[name] = cupy.asarray(tensor)
+            args[f"scratch:{name}"] = tensor  # kept alive as long as the candidate
+        self.launches = []
+        for launch in entry["launches"]:
+            function = module.get_function(launch["kernel"])
+            if launch["shared_bytes"] > 48 * 1024:
+                function.max_dynamic_shared_size_bytes = launch["shared_bytes"]
+            values = tuple(
+                buffers[a] if isinstance(a, str) else cupy.int32(a) for a in launch["args"]
+            )
+            self.launches.append(
+                (function, tuple(launch["grid"]), tuple(launch["block"]), values,
+                 launch["shared_bytes"])
+            )  # fmt: skip
+
+    def __call__(self) -> None:
+        for function, grid, block, values, shared in self.launches:
+            function(grid, block, values, shared_mem=shared)
+
+    def seconds(self, number: int) -> float:
+        """Seconds per call over ``number`` calls back to back (CUDA events)."""
+        start, end = self.cupy.cuda.Event(), self.cupy.cuda.Event()
+        start.record()
+        for _ in range(number):
+            self()
+        end.record()
+        end.synchronize()
+        return self.cupy.cuda.get_elapsed_time(start, end) / 1e3 / number
+
+    def synchronize(self) -> None:
+        self.cupy.cuda.Device().synchronize()
+
+
+class LibraryCandidate:
+    """An LLVM candidate: its shared library run through TVM's runtime on CPU tensors."""
+
+    def __init__(self, directory: Path, entry: dict, args: dict[str, torch.Tensor]):
+        import tvm
+
+        self.function = tvm.runtime.load_module(str(directory / entry["library"]))[
+            "deform_conv2d"
+        ]
+        self.values = list(args.values())
+
+    def __call__(self) -> None:
+        self.function(*self.values)
+
+    def seconds(self, number: int) -> float:
+        started = time.perf_counter()
+        for _ in range(number):
+            self()
+        return (time.perf_counter() - started) / number
+
+    def synchronize(self) -> None:
+        pass
+
+
+def time_candidate(candidate, min_ms: float, repeats: int) -> list[float]:
+    """Seconds per call, ``repeats`` times, each over enough calls to last ``min_ms``."""
+    candidate()
+    candidate.synchronize()
+    once = candidate.seconds(1)
+    number = max(1, math.ceil(min_ms / 1e3 / max(once, 1e-7)))
+    return [candidate.seconds(number) for _ in range(repeats)]
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double(), expected.double()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-300))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("round", type=Path, help="the round directory (round.json and builds)")
+    parser.add_argument("--out", type=Path, required=True, help="JSON lines, appended")
+    parser.add_argument("--deadline", type=float, default=480.0, help="seconds, then stop")
+    parser.add_argument("--min-ms", type=float, default=20.0, help="milliseconds per repeat")
+    parser.add_argument("--repeats", type=int, default=3)
+    options = parser.parse_args(argv)
+    started = time.monotonic()
+    description = json.loads((options.round / "round.json").read_text())
+    cuda = description["kind"] == "cuda"
+    device = "cuda" if cuda else "cpu"
+    done = set()
+    if options.out.exists():
+        for line in options.out.read_text().splitlines():
+            if line.strip():
+                entry = json.loads(line)
+                done.add((entry["workload"], entry["id"]))
+    untimed = 0
+    with options.out.open("a") as out:
+        for name, workload in description["workloads"].items():
+            args = inputs(workload, device)
+            expected = reference(workload, args)
+            tolerance = TOLERANCE[workload["shape"]["dtype"]]
+            for entry in workload["candidates"]:
+                if (name, entry["id"]) in done or "error" in entry:
+                    continue
+                if time.monotonic() - started > options.deadline:
+                    untimed += 1
+                    continue
+                line = {"workload": name, "id": entry["id"]}
+                try:
+                    args["output"].zero_()
+                    kind = CudaCandidate if cuda else LibraryCandidate
+                    candidate = kind(options.round, entry, dict(args))
+                    candidate()
+                    candidate.synchronize()
+                    error = relative_error(args["output"], expected)
+                    if not error <= tolerance:
+                        raise ValueError(f"output differs from torchvision's: {error:.3g}")
+                    line["run_secs"] = time_candidate(candidate, options.min_ms, options.repeats)
+                except Exception as failure:  # noqa: BLE001 - recorded, the next one runs
+                    line["error"] = f"{type(failure).__name__}: {failure}"[:500]
+                out.write(json.dumps(line) + "\n")
+                out.flush()
+    total = sum(len(w["candidates"]) for w in description["workloads"].values())
+    print(
+        f"timed {total - untimed} of {total} candidates in {time.monotonic() - started:.0f} s"
+        + (f"; {untimed} left untimed at the deadline" if untimed else ""),
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,349 @@
+"""Tuning in rounds (tools layer): candidates searched and built on one machine, timed on
+another, learned from here.
+
+A GPU may be lent for minutes at a time, without TVM on it and with little room to bring files.
+So a round of tuning is split in three steps, each a command:
+
+1. :func:`propose` (here, no GPU needed): for each workload, MetaSchedule's evolutionary search
+   proposes ``count`` new candidates from the design spaces, ranked by the cost model of the
+   earlier rounds (an XGBoost model, saved in the work directory, whose ``num_warmup_samples``
+   is one round so that it ranks from the second round on). Each candidate is built: for a
+   CUDA target, its kernels into a cubin with nvcc, with the launch plan the host code would
+   run (each kernel's arguments, grid, block and shared memory, and the scratch buffers); for
+   an LLVM target (the rehearsal on a CPU), into a shared library. The round directory holds
+   ``round.json`` and the built files: it is what travels.
+2. ``lab/time_round.py`` (on the measuring machine, with CuPy for CUDA and no TVM; with TVM's
+   runtime for an LLVM round): times every candidate, writes one JSON line per candidate as it
+   goes, within a deadline.
+3. :func:`ingest` (here): the times become MetaSchedule tuning records in the work directory's
+   database (``<work>/<hardware key>/handwritten``), and the cost model learns from them and is
+   saved for the next round. ``tvm-deform tune-report`` and the pruned logs read that database
+   as they read an online tuning run's.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import tvm
+from tvm import s_tir
+from tvm.s_tir import meta_schedule as ms
+from tvm.target import Target
+
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.runtime import targets
+from tvm_deform.runtime.kernels import compile_schedule
+from tvm_deform.runtime.records import workload_module
+from tvm_deform.tools import cuda_build
+from tvm_deform.tools.tuning import RuleSpaces, database
+
+#: the round's description in a round directory
+ROUND_FILE = "round.json"
+#: the design space the rounds search, and the database they write to
+SPACE = "handwritten"
+#: the cost model's file in the work directory, beside the databases
+MODEL_FILE = "cost_model.tar"
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel launch of a CUDA candidate: the kernel, its arguments (the names of buffers,
+    or integers), and its launch configuration."""
+
+    kernel: str
+    args: list[str | int]
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_bytes: int = 0
+
+
+def launch_plan(sch: s_tir.Schedule, target: Target) -> tuple[list[Launch], dict[str, dict]]:
+    """The kernel launches the host code of ``sch``'s CUDA kernels makes, in order, and the
+    scratch buffers they use (name -> ``{"elements", "dtype"}``); the argument names are those
+    of the PrimFunc's parameters (``data``, ``offset``, ...) or of the scratch buffers. Read
+    from TVM's host function after its lowering pipeline; needs static sizes."""
+    from tvm.tirx.build import split_host_device_mods
+
+    mod = tvm.tirx.transform.BindTarget(target.with_host(target.host))(sch.mod)
+    pipeline, _, _ = tvm.tirx.get_default_tir_pipeline(target)
+    host, _ = split_host_device_mods(pipeline(mod))
+    return _parse_host(host.script())
+
+
+_PARAM = re.compile(r"^(\w+) = T\.decl_buffer\(.*tvm_struct_get\((\w+)_handle, 0, 1,")
+_ALLOC = re.compile(r"^(\w+) = T\.alloc_buffer\(\(([\d, ]+)\)(?:, \"(\w+)\")?")
+_VIEW = re.compile(r"^(\w+) = (\w+)\.view\(")
+_ALIAS = re.compile(r"^(\w+) = T\.decl_buffer\(.*data=(\w+)\.data\)")
+_LAUNCH = re.compile(r'^T\.call_ffi_kernel\("(\w+)", (.*), launch_params=\[(.*?)\]')
+
+
+def _parse_host(script: str) -> tuple[list[Launch], dict[str, dict]]:
+    owner: dict[str, str] = {}
+    scratch: dict[str, dict] = {}
+    launches = []
+    for line in (raw.strip() for raw in script.splitlines()):
+        if match := _PARAM.match(line):
+            owner[match.group(1)] = match.group(2)
+        elif match := _ALLOC.match(line):
+            elements = 1
+            for extent in match.group(2).split(","):
+                elements *= int(extent) if extent.strip() else 1
+            owner[match.group(1)] = match.group(1)
+            scratch[match.group(1)] = {"elements": elements, "dtype": match.group(3) or "float32"}
+        elif (match := _VIEW.match(line)) or (match := _ALIAS.match(line)):
+            owner[match.group(1)] = owner[match.group(2)]
+        elif match := _LAUNCH.match(line):
+            names = [p.strip().strip('"') for p in match.group(3).split(",")]
+            values = [v.strip() for v in match.group(2).split(",")]
+            dims = {"blockIdx": [1, 1, 1], "threadIdx": [1, 1, 1]}
+            shared = 0
+            for name, value in zip(names, values[len(values) - len(names) :], strict=True):
+                if name.startswith(("blockIdx.", "threadIdx.")):
+                    kind, axis = name.split(".")
+                    dims[kind]["xyz".index(axis)] = int(value)
+                elif "dyn_shared" in name:
+                    shared = int(value)
+                else:
+                    raise ValueError(f"unknown launch parameter {name!r}")
+            args: list[str | int] = []
+            for value in values[: len(values) - len(names)]:
+                if value.endswith(".data"):
+                    args.append(owner[value.removesuffix(".data")])
+                else:
+                    args.append(int(value))  # a static size, as an int32 argument
+            launches.append(
+                Launch(
+                    match.group(1),
+                    args,
+                    tuple(dims["blockIdx"]),
+                    tuple(dims["threadIdx"]),
+                    shared,
+                )
+            )
+    if not launches:
+        raise ValueError("no kernel launch in the host function")
+    return launches, scratch
+
+
+def cost_model(work_dir: Path, target: Target, round_size: int) -> ms.cost_model.XGBModel:
+    """The cost model of the earlier rounds on ``target`` (a new one before the first),
+    trained from ``round_size`` measurements on."""
+    model = ms.cost_model.XGBModel(num_warmup_samples=round_size, num_tuning_cores=os.cpu_count())
+    path = _model_path(work_dir, target)
+    if path.exists():
+        model.load(str(path))
+    return model
+
+
+def _model_path(work_dir: Path, target: Target) -> Path:
+    return Path(work_dir) / targets.hardware_key(target) / MODEL_FILE
+
+
+def _context(shape: ConvShape, target: Target, seed: int) -> ms.TuneContext:
+    return ms.TuneContext(
+        mod=workload_module(shape),
+        target=target,
+        space_generator=ms.space_generator.ScheduleFn(RuleSpaces("forward", target)),
+        search_strategy=ms.search_strategy.EvolutionarySearch(
+            population_size=256, init_min_unmeasured=16, genetic_num_iters=3
+        ),
+        task_name="deform_conv2d",
+        num_threads=os.cpu_count() or 1,
+        rand_state=seed,
+    ).clone()
+
+
+def propose(
+    workloads: dict[str, ConvShape],
+    target: Target,
+    work_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    count: int,
+    seed: int = 0,
+    progress=print,
+) -> Path:
+    """Write a round of ``count`` new candidates per workload (see the module docstring) to
+    ``out_dir`` and return the path of its ``round.json``."""
+    work_dir, out_dir = Path(work_dir), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    key = targets.hardware_key(target)
+    db = database(work_dir / key / SPACE)
+    model = cost_model(work_dir, target, count)
+    trained = model.data_size >= model.num_warmup_samples and model.booster is not None
+    description = {
+        "target": json.loads(str(target)),
+        "kind": target.kind.name,
+        "hardware_key": key,
+        "ranked_by_model": trained,
+        "workloads": {},
+    }
+    for name, shape in workloads.items():
+        started = time.monotonic()
+        context = _context(shape, target, seed)
+        strategy = context.search_strategy
+        strategy.pre_tuning(
+            max_trials=count,
+            num_trials_per_iter=count,
+            design_spaces=context.generate_design_space(),
+            database=db,
+            cost_model=model,
+        )
+        candidates = strategy.generate_measure_candidates() or []
+        strategy.post_tuning()
+        scores = list(model.predict(context, candidates)) if trained and candidates else []
+        entries = _build_all(name, candidates, target, out_dir)
+        for entry, score in zip(entries, scores, strict=False):
+            entry["predicted"] = float(score)
+        description["workloads"][name] = {
+            "shape": dataclasses.asdict(shape),
+            "args": _args(shape),
+            "candidates": entries,
+        }
+        built = sum(1 for e in entries if "error" not in e)
+        progress(
+            f"[{name}] {len(candidates)} candidates, {built} built, "
+            f"{time.monotonic() - started:.1f} s"
+            + (" (ranked by the cost model)" if trained else " (random: no model yet)")
+        )
+    path = out_dir / ROUND_FILE
+    path.write_text(json.dumps(description, indent=1))
+    return path
+
+
+def _args(shape: ConvShape) -> list[dict]:
+    """The PrimFunc's parameters, in order: name, shape and dtype."""
+    func = workload_module(shape)["main"]
+    return [
+        {"name": str(param.name), "shape": [int(d) for d in info.shape], "dtype": str(info.dtype)}
+        for param, info in zip(func.params, ms.arg_info.ArgInfo.from_prim_func(func), strict=True)
+    ]
+
+
+def _build_all(
+    name: str, candidates: list, target: Target, out_dir: Path
+) -> list[dict]:
+    """Build each candidate into ``out_dir`` (on as many threads as there are cores: TVM's
+    compiler and nvcc release the GIL) and describe it for the round file."""
+
+    def build(index: int) -> dict:
+        candidate = candidates[index]
+        entry: dict = {
+            "id": index,
+            # TVM's own JSON of the trace and the arguments, as strings
+            "trace": tvm.ir.save_json(candidate.sch.trace.as_json(remove_postproc=False)),
+            "args_info": [tvm.ir.save_json(a.as_json()) for a in candidate.args_info],
+        }
+        stem = f"{name}-{index:04d}"
+        try:
+            entry.update(export_candidate(candidate.sch, target, out_dir, stem))
+        except Exception as error:  # noqa: BLE001 - a candidate that does not build is left out
+            entry["error"] = f"{type(error).__name__}: {error}"[:2000]
+        return entry
+
+    workers = os.cpu_count() or 1
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(build, range(len(candidates))))
+
+
+def export_candidate(sch: s_tir.Schedule, target: Target, out_dir: Path, stem: str) -> dict:
+    """Build ``sch`` for ``target`` into ``out_dir``: a cubin and its launch plan (CUDA) or a
+    shared library (LLVM); return what the round file says of it."""
+    if target.kind.name == "cuda":
+        launches, scratch = launch_plan(sch, target)
+        source = "\n".join(
+            m.inspect_source("cuda")
+            for m in compile_schedule(sch, target).mod.imports
+            if m.kind == "cuda"
+        )
+        arch = str(target.attrs["arch"])
+        built = cuda_build.nvcc_build(source, arch)
+        if built.spills():
+            raise RuntimeError(f"kernels spill to local memory: {built.spills()}")
+        (out_dir / f"{stem}.cubin").write_bytes(built.cubin)
+        return {
+            "cubin": f"{stem}.cubin",
+            "launches": [dataclasses.asdict(launch) for launch in launches],
+            "scratch": scratch,
+            "resources": built.kernels,
+        }
+    library = out_dir / f"{stem}.so"
+    compile_schedule(sch, target).export_library(str(library))
+    return {"library": library.name}
+
+
+@dataclasses.dataclass(frozen=True)
+class Ingested:
+    """What :func:`ingest` did for one workload."""
+
+    workload: str
+    measured: int
+    failed: int
+    best_ms: float | None
+
+
+def ingest(
+    round_file: str | os.PathLike,
+    results_file: str | os.PathLike,
+    work_dir: str | os.PathLike,
+    progress=print,
+) -> list[Ingested]:
+    """Commit the times of a round (``results_file``, the JSON lines ``lab/time_round.py``
+    wrote) as tuning records to the work directory's database, train the cost model on them
+    and save it (see the module docstring). A candidate that failed to build or run is
+    recorded for the cost model with no time (MetaSchedule's convention), not in the
+    database."""
+    round_file, work_dir = Path(round_file), Path(work_dir)
+    description = json.loads(round_file.read_text())
+    target = Target(description["target"])
+    times: dict[tuple[str, int], list[float] | None] = {}
+    for line in Path(results_file).read_text().splitlines():
+        if line.strip():
+            entry = json.loads(line)
+            times[(entry["workload"], int(entry["id"]))] = entry.get("run_secs")
+    db = database(work_dir / description["hardware_key"] / SPACE)
+    first = next(iter(description["workloads"].values()), {"candidates": []})
+    model = cost_model(work_dir, target, max(1, len(first["candidates"])))
+    summary = []
+    for name, workload in description["workloads"].items():
+        shape = ConvShape(**workload["shape"])
+        mod = workload_module(shape)
+        context = _context(shape, target, 0)
+        committed = db.commit_workload(mod)
+        candidates, results, best, failed = [], [], None, 0
+        for entry in workload["candidates"]:
+            secs = times.get((name, entry["id"]))
+            if "error" not in entry and (name, entry["id"]) not in times:
+                continue  # not timed (the deadline passed): neither good nor bad
+            sch = s_tir.Schedule(mod)
+            tvm.s_tir.schedule.Trace.apply_json_to_schedule(tvm.ir.load_json(entry["trace"]), sch)
+            args_info = [ms.arg_info.ArgInfo.from_json(tvm.ir.load_json(a)) for a in entry["args_info"]]
+            candidates.append(ms.MeasureCandidate(sch, args_info))
+            if not secs:
+                failed += 1
+                results.append(ms.runner.RunnerResult(None, "failed to build or run"))
+                continue
+            run_secs = [tvm.runtime.convert(float(s)) for s in secs]
+            results.append(ms.runner.RunnerResult(run_secs, None))
+            db.commit_tuning_record(
+                ms.database.TuningRecord(sch.trace, committed, run_secs, target, args_info)
+            )
+            ms_value = sorted(secs)[len(secs) // 2] * 1e3
+            best = ms_value if best is None else min(best, ms_value)
+        if candidates:
+            model.update(context, candidates, results)
+        summary.append(Ingested(name, len(candidates) - failed, failed, best))
+        progress(
+            f"[{name}] {len(candidates) - failed} timed, {failed} failed"
+            + (f", best {best:.4f} ms" if best is not None else "")
+        )
+    path = _model_path(work_dir, target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if model.booster is not None:
+        model.save(str(path))
+    return summary
