@@ -59,8 +59,10 @@ def reference(workload: dict, args: dict[str, torch.Tensor]) -> torch.Tensor:
     shape = workload["shape"]
     batch, out_h, out_w = shape["batch"], _out(shape, "h"), _out(shape, "w")
     kh, kw = shape["kernel_h"], shape["kernel_w"]
-    wide = (lambda t: t.float()) if args["data"].dtype in (torch.float16, torch.bfloat16) else (
-        lambda t: t
+    wide = (
+        (lambda t: t.float())
+        if args["data"].dtype in (torch.float16, torch.bfloat16)
+        else (lambda t: t)
     )
     mask = args.get("mask")
     result = torchvision.ops.deform_conv2d(
@@ -133,9 +135,7 @@ class LibraryCandidate:
     def __init__(self, directory: Path, entry: dict, args: dict[str, torch.Tensor]):
         import tvm
 
-        self.function = tvm.runtime.load_module(str(directory / entry["library"]))[
-            "deform_conv2d"
-        ]
+        self.function = tvm.runtime.load_module(str(directory / entry["library"]))["deform_conv2d"]
         self.values = list(args.values())
 
     def __call__(self) -> None:

@@ -210,8 +210,8 @@ class OnePassCUDA(Rule):
         # Loops above the fill: the tile, the two thread loops and the chunk loop.
         chunk = sch.get(r_outer)
         depths = [
-            1 + next(i for i, loop in enumerate(sch.get_loops(fill)) if sch.get(loop).same_as(chunk))
-            for fill in (weight, columns)
+            1 + next(i for i, loop in enumerate(sch.get_loops(f)) if sch.get(loop).same_as(chunk))
+            for f in (weight, columns)
         ]
         for fill, depth in zip((weight, columns), depths, strict=True):
             self._cooperative(sch, fill, depth, threads_o)
@@ -410,7 +410,9 @@ class SampleOnceCUDA(SplitReductionCUDA):
         splits = [
             p
             for p in (2**i for i in range(1, self.max_parts.bit_length()))
-            if p <= self.max_parts and weight_in % p == 0 and weight_in // p >= self.min_part_channels
+            if p <= self.max_parts
+            and weight_in % p == 0
+            and weight_in // p >= self.min_part_channels
         ]
         if splits:
             sampled = Choices(sch, True)(splits, parts)

@@ -1,5 +1,5 @@
 """The ``tvm-deform`` command (also ``python -m tvm_deform``): demo, bench, bench-backward,
-bench-model, compare, diagnose, info, tune, tune-report, build."""
+bench-model, compare, diagnose, info, tune, tune-round, tune-ingest, tune-report, build."""
 
 from __future__ import annotations
 
@@ -372,6 +372,29 @@ def run_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_tune_round(args: argparse.Namespace) -> int:
+    from tvm_deform.tools import rounds
+
+    workloads = _chosen_workloads(args)
+    if args.arch:
+        target = targets.cuda_target(args.arch, args.multiprocessors)
+    elif args.multiprocessors:
+        raise SystemExit("--multiprocessors goes with --arch")
+    else:
+        target = targets.host_target()
+    path = rounds.propose(workloads, target, args.work_dir, args.out, args.count, args.seed)
+    size = sum(f.stat().st_size for f in Path(args.out).iterdir() if f.is_file())
+    print(f"{path}: {size / 2**20:.1f} MiB; time it with lab/time_round.py {args.out}")
+    return 0
+
+
+def run_tune_ingest(args: argparse.Namespace) -> int:
+    from tvm_deform.tools import rounds
+
+    rounds.ingest(Path(args.round) / rounds.ROUND_FILE, args.results, args.work_dir)
+    return 0
+
+
 def run_tune_report(args: argparse.Namespace) -> int:
     from tvm_deform.tools.tuning import convergence_table
 
@@ -577,6 +600,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MINUTES",
         help="stop measuring and searching after this long, keeping what was found",
     )
+    round_ = sub.add_parser(
+        "tune-round",
+        parents=[_parent("suite", "workload", "shape")],
+        help="propose and build a round of candidates to time elsewhere (lab/time_round.py)",
+    )
+    round_.add_argument("--count", type=int, default=32, help="candidates per workload")
+    round_.add_argument("--arch", help="a CUDA arch (sm_90); default: this machine's CPU")
+    round_.add_argument(
+        "--multiprocessors", type=int, help="the GPU's multiprocessors (132 on an H100 SXM)"
+    )
+    round_.add_argument("--work-dir", default="work/tune", help="databases and cost model")
+    round_.add_argument("--out", required=True, help="the round's directory (what travels)")
+    round_.add_argument("--seed", type=int, default=0)
+    ingest = sub.add_parser(
+        "tune-ingest", help="commit a round's times (lab/time_round.py's output) and learn"
+    )
+    ingest.add_argument("round", help="the round's directory")
+    ingest.add_argument("results", help="the JSON lines lab/time_round.py wrote")
+    ingest.add_argument("--work-dir", default="work/tune", help="databases and cost model")
     report = sub.add_parser(
         "tune-report",
         parents=[_parent("suite", "workload", "shape")],
@@ -654,6 +696,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "info": run_info,
         "diagnose": run_diagnose,
         "tune": run_tune,
+        "tune-round": run_tune_round,
+        "tune-ingest": run_tune_ingest,
         "tune-report": run_tune_report,
         "compare": run_compare,
         "build": run_build,

@@ -24,14 +24,19 @@ So a round of tuning is split in three steps, each a command:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
 import re
+import sys
 import time
+import types
+import warnings
 from pathlib import Path
 
 import tvm
+import tvm_ffi
 from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
 from tvm.target import Target
@@ -137,7 +142,9 @@ def cost_model(work_dir: Path, target: Target, round_size: int) -> ms.cost_model
     model = ms.cost_model.XGBModel(num_warmup_samples=round_size, num_tuning_cores=os.cpu_count())
     path = _model_path(work_dir, target)
     if path.exists():
-        model.load(str(path))
+        with warnings.catch_warnings():  # XGBoost's note on the file's format
+            warnings.simplefilter("ignore", UserWarning)
+            model.load(str(path))
     return model
 
 
@@ -146,12 +153,41 @@ def _model_path(work_dir: Path, target: Target) -> Path:
 
 
 def _context(shape: ConvShape, target: Target, seed: int) -> ms.TuneContext:
+    with _intrinsics_imported_on_demand(shape):
+        return _new_context(shape, target, seed)
+
+
+@contextlib.contextmanager
+def _intrinsics_imported_on_demand(shape: ConvShape):
+    """``TuneContext`` imports every tensor intrinsic library TVM has (``tvm.s_tir.
+    tensor_intrin``: 35 s here, more than a round's search) whether the space uses them or
+    not. A float32 or float64 layer's spaces use none: while its context is made, that import
+    finds a placeholder module, which is removed afterwards."""
+    name = "tvm.s_tir.tensor_intrin"
+    if shape.dtype not in ("float32", "float64") or name in sys.modules:
+        yield
+        return
+    sys.modules[name] = types.ModuleType(name)
+    try:
+        yield
+    finally:
+        del sys.modules[name]
+
+
+def _new_context(shape: ConvShape, target: Target, seed: int) -> ms.TuneContext:
     return ms.TuneContext(
         mod=workload_module(shape),
         target=target,
-        space_generator=ms.space_generator.ScheduleFn(RuleSpaces("forward", target)),
+        # The spaces are the rules' own: MetaSchedule's schedule rules are not used (the CUDA
+        # ones would need the tensor intrinsics registered), its checks and mutators are.
+        space_generator=ms.space_generator.ScheduleFn(
+            RuleSpaces("forward", target),
+            sch_rules=[],
+            postprocs=ms.postproc.Postproc.create(target.kind.name),
+            mutator_probs=ms.mutator.Mutator.create(target.kind.name),
+        ),
         search_strategy=ms.search_strategy.EvolutionarySearch(
-            population_size=256, init_min_unmeasured=16, genetic_num_iters=3
+            population_size=64, init_min_unmeasured=16, genetic_num_iters=2
         ),
         task_name="deform_conv2d",
         num_threads=os.cpu_count() or 1,
@@ -194,9 +230,10 @@ def propose(
             database=db,
             cost_model=model,
         )
-        candidates = strategy.generate_measure_candidates() or []
+        candidates = _new(strategy.generate_measure_candidates() or [], db, shape)
         strategy.post_tuning()
         scores = list(model.predict(context, candidates)) if trained and candidates else []
+        searched = time.monotonic()
         entries = _build_all(name, candidates, target, out_dir)
         for entry, score in zip(entries, scores, strict=False):
             entry["predicted"] = float(score)
@@ -207,13 +244,32 @@ def propose(
         }
         built = sum(1 for e in entries if "error" not in e)
         progress(
-            f"[{name}] {len(candidates)} candidates, {built} built, "
-            f"{time.monotonic() - started:.1f} s"
-            + (" (ranked by the cost model)" if trained else " (random: no model yet)")
+            f"[{name}] {len(candidates)} candidates "
+            + ("ranked by the cost model" if trained else "at random (no model yet)")
+            + f" in {searched - started:.1f} s, {built} built in "
+            f"{time.monotonic() - searched:.1f} s"
         )
     path = out_dir / ROUND_FILE
     path.write_text(json.dumps(description, indent=1))
     return path
+
+
+def _new(candidates: list, db: ms.database.Database, shape: ConvShape) -> list:
+    """``candidates`` less those already in ``db`` or twice in the list (the search proposes
+    a measured one again once a small space has few left)."""
+    mod = workload_module(shape)
+    seen = set()
+    if db.has_workload(mod):
+        for record in db.get_all_tuning_records():
+            if tvm_ffi.structural_equal(record.workload.mod, mod):
+                seen.add(tvm_ffi.structural_hash(record.as_measure_candidate().sch.mod))
+    fresh = []
+    for candidate in candidates:
+        key = tvm_ffi.structural_hash(candidate.sch.mod)
+        if key not in seen:
+            seen.add(key)
+            fresh.append(candidate)
+    return fresh
 
 
 def _args(shape: ConvShape) -> list[dict]:
@@ -225,9 +281,7 @@ def _args(shape: ConvShape) -> list[dict]:
     ]
 
 
-def _build_all(
-    name: str, candidates: list, target: Target, out_dir: Path
-) -> list[dict]:
+def _build_all(name: str, candidates: list, target: Target, out_dir: Path) -> list[dict]:
     """Build each candidate into ``out_dir`` (on as many threads as there are cores: TVM's
     compiler and nvcc release the GIL) and describe it for the round file."""
 
@@ -322,7 +376,9 @@ def ingest(
                 continue  # not timed (the deadline passed): neither good nor bad
             sch = s_tir.Schedule(mod)
             tvm.s_tir.schedule.Trace.apply_json_to_schedule(tvm.ir.load_json(entry["trace"]), sch)
-            args_info = [ms.arg_info.ArgInfo.from_json(tvm.ir.load_json(a)) for a in entry["args_info"]]
+            args_info = [
+                ms.arg_info.ArgInfo.from_json(tvm.ir.load_json(a)) for a in entry["args_info"]
+            ]
             candidates.append(ms.MeasureCandidate(sch, args_info))
             if not secs:
                 failed += 1
@@ -345,5 +401,7 @@ def ingest(
     path = _model_path(work_dir, target)
     path.parent.mkdir(parents=True, exist_ok=True)
     if model.booster is not None:
-        model.save(str(path))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            model.save(str(path))
     return summary

@@ -1,0 +1,200 @@
+"""Tuning in rounds: proposed and built here, timed elsewhere, learned from here (rehearsed on
+the CPU, the LLVM target standing in for the GPU), and a CUDA round's cubins and launch plans."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from tvm.s_tir import meta_schedule as ms
+
+from tvm_deform.ir.definition import ConvShape
+from tvm_deform.runtime import targets
+from tvm_deform.tools import rounds
+from tvm_deform.tools.cli import main
+from tvm_deform.tools.tuning import records
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYER = ConvShape(1, 16, 10, 10, 32, 3, 3, pad_h=1, pad_w=1, has_bias=True)
+COUNT = 6
+
+
+def time_round(directory: Path, results: Path) -> None:
+    """Time a round as the measuring machine does: ``lab/time_round.py`` in a process of its
+    own."""
+    command = [sys.executable, str(ROOT / "lab/time_round.py"), str(directory)]
+    subprocess.run([*command, "--out", str(results), "--min-ms", "2"], check=True)
+
+
+def candidates_of(round_file: Path) -> list[dict]:
+    return json.loads(round_file.read_text())["workloads"]["layer"]["candidates"]
+
+
+@pytest.mark.slow
+def test_a_round_trip_on_the_cpu_learns_and_ranks_the_next_round(tmp_path):
+    target = targets.host_target()
+    work = tmp_path / "work"
+
+    first = rounds.propose({"layer": LAYER}, target, work, tmp_path / "round1", COUNT, seed=1)
+    described = json.loads(first.read_text())
+    assert described["ranked_by_model"] is False
+    built = [c for c in candidates_of(first) if "error" not in c]
+    assert len(built) == COUNT
+    assert all((tmp_path / "round1" / c["library"]).exists() for c in built)
+    time_round(tmp_path / "round1", tmp_path / "round1.jsonl")
+    lines = [json.loads(x) for x in (tmp_path / "round1.jsonl").read_text().splitlines()]
+    assert len(lines) == COUNT and all(len(line["run_secs"]) == 3 for line in lines)
+    # A second call skips what is already timed.
+    time_round(tmp_path / "round1", tmp_path / "round1.jsonl")
+    assert len((tmp_path / "round1.jsonl").read_text().splitlines()) == COUNT
+
+    summary = rounds.ingest(first, tmp_path / "round1.jsonl", work)
+    assert [(s.measured, s.failed) for s in summary] == [(COUNT, 0)]
+    assert len(records(work / targets.hardware_key(target) / rounds.SPACE, LAYER)) == COUNT
+    assert (work / targets.hardware_key(target) / rounds.MODEL_FILE).exists()
+
+    second = rounds.propose({"layer": LAYER}, target, work, tmp_path / "round2", COUNT, seed=2)
+    assert json.loads(second.read_text())["ranked_by_model"] is True
+    proposed = candidates_of(second)
+    assert len(proposed) >= 2  # new ones, as many as the small space has left (up to COUNT)
+    scores = [c["predicted"] for c in proposed]
+    # Ranked by the model trained on the first round: its scores, best first, and the
+    # model's own (the same again from the saved model; an untrained one answers at random).
+    assert scores == sorted(scores, reverse=True) and len(set(scores)) > 1
+    model = rounds.cost_model(work, target, COUNT)
+    assert model.data_size == COUNT
+    context = rounds._context(LAYER, target, 0)
+    again = model.predict(context, [_candidate(c) for c in proposed])
+    assert again.tolist() == pytest.approx(scores)
+    # New candidates: none of the first round's is proposed again.
+    assert not {c["trace"] for c in proposed} & {c["trace"] for c in candidates_of(first)}
+
+    time_round(tmp_path / "round2", tmp_path / "round2.jsonl")
+    rounds.ingest(second, tmp_path / "round2.jsonl", work)
+    total = COUNT + len(proposed)
+    assert rounds.cost_model(work, target, COUNT).data_size == total
+    assert len(records(work / targets.hardware_key(target) / rounds.SPACE, LAYER)) == total
+
+
+def _candidate(entry: dict) -> ms.MeasureCandidate:
+    import tvm
+    from tvm import s_tir
+
+    from tvm_deform.runtime.records import workload_module
+
+    sch = s_tir.Schedule(workload_module(LAYER))
+    s_tir.schedule.Trace.apply_json_to_schedule(tvm.ir.load_json(entry["trace"]), sch)
+    infos = [ms.arg_info.ArgInfo.from_json(tvm.ir.load_json(a)) for a in entry["args_info"]]
+    return ms.MeasureCandidate(sch, infos)
+
+
+def test_a_wrong_candidate_is_recorded_as_failed(tmp_path):
+    # The measuring script checks each candidate's output against torchvision's: one that
+    # computes something else gets an error line, not a time, and the ingest keeps it out of
+    # the database (the cost model still learns that it failed).
+    target = targets.host_target()
+    work = tmp_path / "work"
+    first = rounds.propose({"layer": LAYER}, target, work, tmp_path / "round", 2, seed=3)
+    entries = candidates_of(first)
+    # The second candidate's library replaced by one of a dilated layer: the same buffers
+    # (the padding keeps the output 10x10), other numbers.
+    dilated = ConvShape(1, 16, 10, 10, 32, 3, 3, pad_h=2, pad_w=2, dilation_h=2, dilation_w=2,
+                        has_bias=True)  # fmt: skip
+    rounds.propose({"layer": dilated}, target, tmp_path / "other_work", tmp_path / "other", 1)
+    library = next((tmp_path / "other").glob("*.so"))
+    shutil.copy(library, tmp_path / "round" / entries[1]["library"])
+    time_round(tmp_path / "round", tmp_path / "results.jsonl")
+    lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert "run_secs" in lines[0]
+    assert "differs from torchvision" in lines[1]["error"]
+    summary = rounds.ingest(first, tmp_path / "results.jsonl", work)
+    assert [(s.measured, s.failed) for s in summary] == [(1, 1)]
+    assert len(records(work / targets.hardware_key(target) / rounds.SPACE, LAYER)) == 1
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_a_cuda_round_holds_cubins_and_the_launches_that_run_them(tmp_path, capsys):
+    layer = ConvShape(1, 64, 10, 10, 64, 3, 3, pad_h=1, pad_w=1, has_bias=True)
+    argv = ["tune-round", "--shape", json.dumps(dataclasses.asdict(layer))]
+    argv += ["--arch", "sm_90", "--multiprocessors", "132", "--count", "4"]
+    argv += ["--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "round")]
+    assert main(argv) == 0
+    assert "MiB" in capsys.readouterr().out
+    described = json.loads((tmp_path / "round" / rounds.ROUND_FILE).read_text())
+    assert described["kind"] == "cuda"
+    (workload,) = described["workloads"].values()
+    assert workload["shape"]["in_channels"] == layer.in_channels
+    assert [a["name"] for a in workload["args"]] == [
+        "data", "offset", "mask", "weight", "bias", "output",
+    ]  # fmt: skip
+    names = {a["name"] for a in workload["args"]}
+    for entry in workload["candidates"]:
+        assert "error" not in entry, entry.get("error")
+        cubin = (tmp_path / "round" / entry["cubin"]).read_bytes()
+        assert cubin[:4] == b"\x7fELF"
+        for launch in entry["launches"]:
+            assert launch["kernel"].encode() in cubin
+            assert launch["kernel"] in entry["resources"]
+            # Every buffer argument is a parameter or a scratch buffer of the plan.
+            assert {a for a in launch["args"] if isinstance(a, str)} <= names | set(
+                entry["scratch"]
+            )
+            threads = launch["block"][0] * launch["block"][1] * launch["block"][2]
+            assert 1 <= threads <= 1024 and min(launch["grid"]) >= 1
+        assert entry["launches"][-1]["args"].count("output") == 1
+
+
+def test_the_measuring_script_launches_a_cuda_plan_as_written(tmp_path, monkeypatch):
+    """``lab/time_round.py``'s CUDA path, with CuPy replaced by a recorder (no GPU here): each
+    kernel of the plan is looked up in the cubin and launched in order with the plan's grid,
+    block, shared memory and arguments (the round's tensors, its scratch buffers, int32
+    sizes)."""
+    monkeypatch.syspath_prepend(str(ROOT / "lab"))
+    import time_round as script
+
+    launched = []
+
+    class Function:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            launched.append((self.name, grid, block, args, shared_mem))
+
+    class RawModule:
+        def __init__(self, path):
+            assert Path(path).name == "c.cubin"
+
+        def get_function(self, name):
+            return Function(name)
+
+    fake = types.SimpleNamespace(RawModule=RawModule, int32=int, asarray=lambda tensor: tensor)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    args = {"data": torch.zeros(2), "output": torch.zeros(3)}
+    entry = {
+        "cubin": "c.cubin",
+        "scratch": {"columns": {"elements": 5, "dtype": "float32"}},
+        "launches": [
+            {"kernel": "k", "args": ["columns", "data"], "grid": [2, 3, 1], "block": [64, 4, 1],
+             "shared_bytes": 0},
+            {"kernel": "k_1", "args": ["columns", "output", 7], "grid": [9, 1, 1],
+             "block": [256, 1, 1], "shared_bytes": 1024},
+        ],
+    }  # fmt: skip
+    candidate = script.CudaCandidate(tmp_path, entry, dict(args))
+    candidate()
+    assert [(n, g, b, s) for n, g, b, _, s in launched] == [
+        ("k", (2, 3, 1), (64, 4, 1), 0),
+        ("k_1", (9, 1, 1), (256, 1, 1), 1024),
+    ]
+    columns, data = launched[0][3]
+    assert data is args["data"] and columns.numel() == 5
+    assert launched[1][3][0] is columns and launched[1][3][1] is args["output"]
+    assert launched[1][3][2] == 7
