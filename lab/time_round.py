@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import platform
 import sys
 import time
 from pathlib import Path
@@ -184,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                 entry = json.loads(line)
                 done.add((entry["workload"], entry["id"]))
     untimed = 0
+    machine = torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine()
     with options.out.open("a") as out:
         for name, workload in description["workloads"].items():
             args = inputs(workload, device)
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                 if time.monotonic() - started > options.deadline:
                     untimed += 1
                     continue
-                line = {"workload": name, "id": entry["id"]}
+                line = {"workload": name, "id": entry["id"], "device": machine}
                 try:
                     args["output"].zero_()
                     kind = CudaCandidate if cuda else LibraryCandidate

@@ -77,10 +77,17 @@ def test_a_round_trip_on_the_cpu_learns_and_ranks_the_next_round(tmp_path):
     assert not {c["trace"] for c in proposed} & {c["trace"] for c in candidates_of(first)}
 
     time_round(tmp_path / "round2", tmp_path / "round2.jsonl")
-    rounds.ingest(second, tmp_path / "round2.jsonl", work)
+    logs = tmp_path / "logs"
+    argv = ["tune-ingest", str(tmp_path / "round2"), str(tmp_path / "round2.jsonl")]
+    assert main([*argv, "--work-dir", str(work), "--logs-dir", str(logs)]) == 0
     total = COUNT + len(proposed)
     assert rounds.cost_model(work, target, COUNT).data_size == total
     assert len(records(work / targets.hardware_key(target) / rounds.SPACE, LAYER)) == total
+    # The pruned logs: the best few, under the hardware key, the measuring machine named.
+    key = targets.hardware_key(target)
+    manifest = json.loads((logs / key / "manifest.json").read_text())
+    assert manifest["cpu"] == lines[0]["device"]
+    assert 1 <= len(records(logs / key / rounds.SPACE, LAYER)) <= 3
 
 
 def _candidate(entry: dict) -> ms.MeasureCandidate:

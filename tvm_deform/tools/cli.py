@@ -390,8 +390,19 @@ def run_tune_round(args: argparse.Namespace) -> int:
 
 def run_tune_ingest(args: argparse.Namespace) -> int:
     from tvm_deform.tools import rounds
+    from tvm_deform.tools.tuning import write_pruned_logs
 
-    rounds.ingest(Path(args.round) / rounds.ROUND_FILE, args.results, args.work_dir)
+    round_file = Path(args.round) / rounds.ROUND_FILE
+    summary = rounds.ingest(round_file, args.results, args.work_dir)
+    if args.logs_dir:
+        described = json.loads(round_file.read_text())
+        workloads = {n: ConvShape(**w["shape"]) for n, w in described["workloads"].items()}
+        device = next((s.device for s in summary if s.device), None)
+        target = Target(described["target"])
+        write_pruned_logs(
+            args.work_dir, args.logs_dir, workloads, [rounds.SPACE], target, cpu=device
+        )
+        print(f"pruned logs of {targets.hardware_key(target)} written to {args.logs_dir}")
     return 0
 
 
@@ -619,6 +630,9 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("round", help="the round's directory")
     ingest.add_argument("results", help="the JSON lines lab/time_round.py wrote")
     ingest.add_argument("--work-dir", default="work/tune", help="databases and cost model")
+    ingest.add_argument(
+        "--logs-dir", help="then write the round's workloads' pruned logs there (tuning_logs/)"
+    )
     report = sub.add_parser(
         "tune-report",
         parents=[_parent("suite", "workload", "shape")],

@@ -339,6 +339,8 @@ class Ingested:
     measured: int
     failed: int
     best_ms: float | None
+    #: the machine that timed it, as the measuring script named it (the GPU's name)
+    device: str | None = None
 
 
 def ingest(
@@ -356,10 +358,12 @@ def ingest(
     description = json.loads(round_file.read_text())
     target = Target(description["target"])
     times: dict[tuple[str, int], list[float] | None] = {}
+    devices: dict[str, str] = {}
     for line in Path(results_file).read_text().splitlines():
         if line.strip():
             entry = json.loads(line)
             times[(entry["workload"], int(entry["id"]))] = entry.get("run_secs")
+            devices[entry["workload"]] = entry.get("device")
     db = database(work_dir / description["hardware_key"] / SPACE)
     first = next(iter(description["workloads"].values()), {"candidates": []})
     model = cost_model(work_dir, target, max(1, len(first["candidates"])))
@@ -393,7 +397,7 @@ def ingest(
             best = ms_value if best is None else min(best, ms_value)
         if candidates:
             model.update(context, candidates, results)
-        summary.append(Ingested(name, len(candidates) - failed, failed, best))
+        summary.append(Ingested(name, len(candidates) - failed, failed, best, devices.get(name)))
         progress(
             f"[{name}] {len(candidates) - failed} timed, {failed} failed"
             + (f", best {best:.4f} ms" if best is not None else "")
