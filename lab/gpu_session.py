@@ -1,9 +1,10 @@
-"""One GPU session in one call (tools layer): check, build, tune, time, write results.
+"""One GPU session in one call (tools layer): check, build, time, time a tuning round, write
+results.
 
 Run on a machine with an NVIDIA GPU, offline, by ``lab/gpu_session.sh`` (which installs TVM
 from wheels brought along), or directly where TVM is installed::
 
-    python lab/gpu_session.py --out OUT [--trials 32] [--tune-seconds 240]
+    python lab/gpu_session.py --out OUT [--model] [--round ROUND_DIR] [--round-seconds 180]
 
 Steps, each recorded in ``OUT/gpu_results.json`` as soon as it ends, pass or fail, so that a
 call cut short keeps what was done; the exit code is non-zero if any step failed:
@@ -12,21 +13,27 @@ call cut short keeps what was done; the exit code is non-zero if any step failed
 2. first kernel: the demo layer's default kernel builds, runs and matches torchvision (about a
    minute); if it does not, the session stops here;
 3. build: every kernel the later steps run (the suite and the checks' configurations, in each
-   dtype, with the one-pass and tensor-core schedules the timing adds where they apply),
+   dtype, with the fused, one-size and tensor-core kernels the timing adds where they apply),
    compiled in parallel processes into the kernel cache;
 4. check: random configurations against torchvision's CUDA ``deform_conv2d`` (float32, and
    float16/bfloat16 against float32 on the upcast inputs), the five gradients of a few against
    torchvision's and repeated to the bit, and a CUDA-graph capture on a side stream (fails if a
    kernel leaves torch's current stream or the host synchronises);
-5. tune: the suite in MetaSchedule's generic CUDA space, ``--trials`` each, within
-   ``--tune-seconds``; the pruned logs go to ``OUT/tuning_logs_cuda.tar.gz`` (``cuda/<arch>/``,
-   to be checked into ``tuning_logs/``), and the timing then runs the tuned kernels too;
-6. time: per workload and dtype, the median of CUDA-event timings of torchvision (where it has
-   a kernel: not bfloat16), our default and tuned kernels (through their handles), the public
-   ``deform_conv2d`` as users call it, ``OnePassCUDA`` alone where the
-   default splits the reduction (``SplitReductionCUDA``), the tensor-core schedule of float16
-   and bfloat16 layers it takes, and cuDNN's dense ``conv2d``; each
-   row is written as it is timed, and ``OUT/gpu_results.md`` holds the table.
+5. time: per workload and dtype, the median of CUDA-event timings of torchvision (where it has
+   a kernel: not bfloat16), our default kernel (for any size) and tuned kernels (through their
+   handles), the public ``deform_conv2d`` as users call it, the fused structure (the columns
+   sampled per output tile), the default's kernel for the layer's size alone, the
+   tensor-core schedule of float16 and bfloat16 layers it takes, and cuDNN's dense
+   ``conv2d``; each row is written as it is timed, and ``OUT/gpu_results.md`` holds the table;
+6. host cost: the CPU time of one call of ours and of torchvision's, unsynchronised;
+7. model (``--model``): R50-DCNv2 at batch 2, 640x640, in float32 and float16, with
+   torchvision's op, ours and dense convs in place;
+8. round (``--round``): a round of tuning candidates built elsewhere (``tvm-deform
+   tune-round``) timed with ``lab/time_round.py`` within ``--round-seconds``, into
+   ``OUT/round_results.jsonl`` for ``tvm-deform tune-ingest``;
+9. tune (``--trials``): MetaSchedule's online tuning here, in the generic CUDA space, within
+   ``--tune-seconds`` (needs TVM's builder on this machine; the rounds are the way that fits
+   a short GPU window).
 
 A step that would start after ``--deadline`` seconds is skipped (recorded as such), so that the
 call ends before the machine's limit on one command (``--call-limit``). The same functions run
@@ -51,15 +58,18 @@ import torch
 from tvm_deform import __version__, deform_conv2d, schedules
 from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape
-from tvm_deform.runtime import kernels, targets
+from tvm_deform.runtime import kernels
 from tvm_deform.runtime.inputs import TOLERANCE, conv_kwargs, random_inputs, random_shape
 from tvm_deform.tools.bench import geometric_mean, measure, relative_error
 from tvm_deform.tools.suite import load_suite
 
-#: the labels of the rows that time a schedule dispatch does not pick, to tell whether it
-#: should: ``OnePassCUDA`` alone where the default splits the reduction, and the tensor-core
-#: schedule of half-precision layers (not counted as ours in the speed-ups)
-ONE_PASS = "one pass (OnePassCUDA)"
+#: the labels of the rows that time a kernel dispatch does not pick, to tell whether it
+#: should: the fused structure (the columns sampled per output tile in shared memory,
+#: ``SplitReductionCUDA`` or ``OnePassCUDA``), the default's kernel for this size alone (what
+#: a kernel for any size costs), and the tensor-core schedule of half-precision layers (not
+#: counted as ours in the speed-ups)
+FUSED = "fused (OnePassCUDA)"
+ONE_SIZE = "one size (static kernel)"
 TENSOR_CORES = "tensor cores (TensorCoreCUDA)"
 #: our kernels that dispatch may run, timed through their handles: the speed-ups take the best
 KERNELS = ("tvm_deform default", "tvm_deform tuned")
@@ -192,16 +202,16 @@ def time_layers(
     tuned: bool = False,
 ) -> list[dict]:
     """Per layer and dtype: torchvision, our kernel (default schedule, through its handle), the
-    public op and dense conv2d, timed side by side on the same inputs (and, where the default
-    splits the reduction over thread blocks, ``OnePassCUDA``'s one pass; for half-precision
-    layers that tensor cores take, the tensor-core schedule), or with ``tuned`` our tuned
-    kernel alone (where the logs have one); ``on_row`` gets each row as soon as it is timed.
+    public op and dense conv2d, timed side by side on the same inputs (and on a GPU the fused
+    structure and the default's kernel for the layer's size alone; for half-precision layers
+    that tensor cores take, the tensor-core schedule), or with ``tuned`` our tuned kernel
+    alone (where the logs have one); ``on_row`` gets each row as soon as it is timed.
     Errors are checked against torchvision in float32 on the upcast inputs (its CUDA kernel has
     no bfloat16). An implementation that fails (torchvision in a dtype it lacks) gets a row
     with its error instead of a time; the others still run."""
     import torchvision.ops
 
-    target = targets.cuda_target(_arch()) if device == "cuda" else targets.host_target()
+    target = _target(device)
     rows = []
     for name, shape in layers.items():
         for dtype in dtypes:
@@ -226,9 +236,12 @@ def time_layers(
                 variants["tvm_deform default"] = lambda typed=typed, args=args: _our_kernel(
                     typed, target, tuned=False, args=args
                 )
-                if schedules.split_parts(typed, target) > 1:
-                    variants[ONE_PASS] = lambda typed=typed, args=args: _runner(
-                        typed, _one_pass_kernel(typed, target), args
+                if compares_structures(target):
+                    variants[FUSED] = lambda typed=typed, args=args: _runner(
+                        typed, _fused_kernel(typed, target), args
+                    )
+                    variants[ONE_SIZE] = lambda typed=typed, args=args: _runner(
+                        typed, _one_size_kernel(typed, target), args
                     )
                 if schedules.tensor_cores_take(typed, target):
                     variants[TENSOR_CORES] = lambda typed=typed, args=args: _runner(
@@ -269,14 +282,28 @@ def _our_kernel(shape: ConvShape, target, tuned: bool, args: dict) -> Callable[[
     return _runner(shape, kernels.get_kernel(shape, target, tuned=tuned), args)
 
 
-def _one_pass_kernel(shape: ConvShape, target) -> kernels.Kernel:
-    """The layer under ``OnePassCUDA`` alone, the reduction in one pass, where the default
-    splits it: the timing that tells whether the split pays."""
-    from tvm_deform.schedules.cuda import OnePassCUDA
+def compares_structures(target) -> bool:
+    """Whether the session times the fused structure and the kernel for one size beside the
+    default: on a GPU (the CPU's default is another rule)."""
+    return target.kind.name == "cuda"
 
-    return kernels.load_scheduled(
-        shape, target, "one-pass", lambda: OnePassCUDA().apply(definition.forward(shape), target)
-    )
+
+def _fused_kernel(shape: ConvShape, target) -> kernels.Kernel:
+    """The layer under the fused structure (the default before the sample-once one): its
+    reduction split where ``SplitReductionCUDA`` splits it, else ``OnePassCUDA``'s one pass."""
+    from tvm_deform.schedules.cuda import OnePassCUDA, SplitReductionCUDA
+
+    def schedule():
+        func = definition.forward(shape)
+        return SplitReductionCUDA().apply(func, target) or OnePassCUDA().apply(func, target)
+
+    return kernels.load_scheduled(shape, target, "fused", schedule)
+
+
+def _one_size_kernel(shape: ConvShape, target) -> kernels.Kernel:
+    """The default schedule's kernel for this layer's size alone (dispatch runs the one for any
+    size): the timing that tells what generality costs."""
+    return kernels.load_kernel(shape, target)
 
 
 def _tensor_core_kernel(shape: ConvShape, target) -> kernels.Kernel:
@@ -296,6 +323,14 @@ def _runner(shape: ConvShape, kernel, args: dict) -> Callable[[], torch.Tensor]:
     )
 
 
+def _target(device: str):
+    """The target of ``device``'s kernels, as the op makes it (a GPU's with its multiprocessor
+    count and L2 size)."""
+    from tvm_deform.runtime.calls import device_target
+
+    return device_target(torch.device(device))
+
+
 def _arch() -> str:
     major, minor = torch.cuda.get_device_capability()
     return f"sm_{major}{minor}"
@@ -306,8 +341,9 @@ def markdown(rows: list[dict]) -> str:
     where an implementation has no time: torchvision in a dtype it lacks, or a failure)."""
     lines = [
         "| layer | dtype | torchvision ms | ours default ms | ours tuned ms | public op ms "
-        "| one pass ms | tensor cores ms | conv2d ms | speed-up (best) | best / conv2d | error |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| fused ms | one size ms | tensor cores ms | conv2d ms | speed-up (best) "
+        "| best / conv2d | error |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     grouped: dict[tuple[str, str], dict[str, dict]] = {}
     for row in rows:
@@ -320,7 +356,8 @@ def markdown(rows: list[dict]) -> str:
         lines.append(
             f"| {layer} | {dtype} | {_ms(found, 'torchvision')} "
             f"| {_ms(found, 'tvm_deform default')} | {_ms(found, 'tvm_deform tuned')} "
-            f"| {_ms(found, PUBLIC_OP)} | {_ms(found, ONE_PASS)} | {_ms(found, TENSOR_CORES)} "
+            f"| {_ms(found, PUBLIC_OP)} | {_ms(found, FUSED)} | {_ms(found, ONE_SIZE)} "
+            f"| {_ms(found, TENSOR_CORES)} "
             f"| {_ms(found, 'conv2d (dense)')} "
             f"| {_ratio(found, 'torchvision', best)} "
             f"| {_ratio(found, 'conv2d (dense)', best, inverse=True)} | {error} |"
@@ -355,6 +392,90 @@ def speedup_over_torchvision(rows: list[dict], dtype: str = "float32") -> float 
     return geometric_mean(ratios) if ratios else None
 
 
+def host_cost(device: str, layers: Sequence[str] = ("seed", "demo_64x56x56"), calls: int = 200):
+    """The CPU time one call takes on the host (``time.thread_time``, no synchronisation
+    inside the timed calls) of the public op and of torchvision's, per layer: the launch and
+    bookkeeping cost a GPU user pays on every call however fast the kernels are."""
+    import torchvision.ops
+
+    suite, rows = load_suite(), []
+    for name in layers:
+        args = _inputs(suite[name], device, torch.float32)
+        calls_of = {
+            "torchvision": lambda args=args: torchvision.ops.deform_conv2d(**args),
+            PUBLIC_OP: lambda args=args: deform_conv2d(**args),
+        }
+        for label, call in calls_of.items():
+            with torch.no_grad():
+                for _ in range(10):
+                    call()
+                _synchronize(device)
+                began = time.thread_time()
+                for _ in range(calls):
+                    call()
+                spent = time.thread_time() - began
+                _synchronize(device)
+            rows.append({"layer": name, "implementation": label, "host_us": spent / calls * 1e6})
+    return rows
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_model(
+    device: str,
+    dtypes: Sequence[torch.dtype] = (torch.float32, torch.float16),
+    batch: int = 2,
+    size: int = 640,
+    runs: int = 10,
+) -> list[dict]:
+    """R50-DCNv2 (``tvm_deform.tools.bench_model``) on a ``batch x 3 x size x size`` input per
+    dtype: torch with torchvision's op, with ours, and with dense convs in place (the ceiling);
+    medians of CUDA-event timings, ours checked against torchvision's output."""
+    from tvm_deform.tools.bench_model import LABELS, r50_dcnv2
+
+    rows = []
+    image = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1))
+    for dtype in dtypes:
+        x = image.to(device=device, dtype=dtype)
+        outputs = {}
+        for name in ("torchvision", "tvm_deform", "dense"):
+            row = {"model": f"r50_dcnv2 {batch}x{size}x{size}", "dtype": str(dtype)[6:]}
+            row["implementation"] = LABELS[name]
+            try:
+                model = r50_dcnv2(name).to(device=device, dtype=dtype)
+                with torch.inference_mode():
+                    outputs[name] = model(x)
+                    timing = measure(
+                        lambda model=model, x=x: model(x), warmup=2, min_runs=runs, min_seconds=0,
+                        cuda=device == "cuda",
+                    )  # fmt: skip
+                row["median_ms"] = timing.median_ms
+                if name == "tvm_deform" and "torchvision" in outputs:
+                    row["error"] = relative_error(outputs[name], outputs["torchvision"])
+            except Exception as error:  # noqa: BLE001 - a failure is a result
+                row |= {"median_ms": None, "failure": repr(error)[:300]}
+            rows.append(row)
+    return rows
+
+
+def time_round(round_dir: Path, out: Path, seconds: float) -> dict:
+    """Time a round of tuning candidates (``tvm-deform tune-round``, carried to this machine)
+    with ``lab/time_round.py`` within ``seconds``; the JSON lines go to ``out``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import time_round as script
+
+    script.main([str(round_dir), "--out", str(out), "--deadline", str(max(0.0, seconds))])
+    lines = [json.loads(x) for x in out.read_text().splitlines() if x.strip()]
+    return {
+        "timed": sum("run_secs" in x for x in lines),
+        "failed": sum("error" in x for x in lines),
+        "results": str(out),
+    }
+
+
 def tuning_order(layers: dict[str, ConvShape]) -> dict[str, ConvShape]:
     """The layers by decreasing arithmetic: when the tuning time runs out, the layers it left
     out are the ones where a schedule matters least."""
@@ -369,7 +490,7 @@ def tune_suite(
     it has); returns the per-task results and writes the pruned logs under ``work / "logs"``."""
     from tvm_deform.tools.tuning import tune
 
-    target = targets.cuda_target(_arch()) if device == "cuda" else targets.host_target()
+    target = _target(device)
     started, done = time.monotonic(), {}
     for name, shape in layers.items():
         left = seconds - (time.monotonic() - started)
@@ -397,9 +518,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--trials",
         type=int,
         default=None,
-        help="tuning trials per workload (default 32 on a GPU, 0 on the CPU)",
+        help="MetaSchedule trials per workload measured here (default 0: tuning goes in "
+        "rounds, --round)",
     )
     parser.add_argument("--tune-seconds", type=float, default=240, help="tuning time budget")
+    parser.add_argument(
+        "--round",
+        type=Path,
+        help="a round of tuning candidates to time (tvm-deform tune-round's directory)",
+    )
+    parser.add_argument(
+        "--round-seconds", type=float, default=180, help="time budget of the round's timing"
+    )
+    parser.add_argument(
+        "--model", action="store_true", help="also time R50-DCNv2 (--model-size, batch 2)"
+    )
+    parser.add_argument("--model-size", type=int, default=640, help="the model's input side")
     parser.add_argument("--checks", type=int, default=12, help="random configurations")
     parser.add_argument("--quick", action="store_true", help="two suite layers only")
     parser.add_argument(
@@ -417,7 +551,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
-    trials = args.trials if args.trials is not None else (32 if cuda else 0)
+    trials = args.trials if args.trials is not None else 0
     if args.deadline is None:
         args.deadline = args.call_limit - 60
 
@@ -495,6 +629,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             r["median_ms"] is not None or r["implementation"] == "torchvision" for r in rows
         ),
     )
+    step("host_cost", lambda: host_cost(args.device, calls=200 if cuda else 20))
+    if args.model:
+        dtypes = session_dtypes(args.device)[:2]  # float32 and float16 on a GPU
+        step("model", lambda: time_model(args.device, dtypes, size=args.model_size, runs=5))
+    if args.round is not None:
+        budget = min(args.round_seconds, args.deadline - (time.monotonic() - started))
+        step("round", lambda: time_round(args.round, out / "round_results.jsonl", budget))
     if trials > 0:
         work = Path("/tmp/tvm_deform_gpu")
         # The tuning stops in time to leave the tuned kernels' timing about two minutes
@@ -589,11 +730,12 @@ def build_kernels(shapes: list[ConvShape], device: str, workers: int | None = No
 
 def _build_one(shape: ConvShape, device: str) -> None:
     """The default kernel of ``shape``, and the other schedules :func:`time_layers` times
-    beside it (the one pass, tensor cores) where they apply."""
-    target = targets.cuda_target(_arch()) if device == "cuda" else targets.host_target()
+    beside it (fused, one size, tensor cores) where they apply."""
+    target = _target(device)
     kernels.get_kernel(shape, target, tuned=False)
-    if schedules.split_parts(shape, target) > 1:
-        _one_pass_kernel(shape, target)
+    if compares_structures(target):
+        _fused_kernel(shape, target)
+        _one_size_kernel(shape, target)
     if schedules.tensor_cores_take(shape, target):
         _tensor_core_kernel(shape, target)
 

@@ -23,7 +23,16 @@ def test_gpu_session_steps_run_on_the_cpu(tmp_path):
     """The GPU session script's checking and timing steps, run on the CPU so that a GPU call
     does not find their bugs first."""
 
-    code = gpu_session.main(["--out", str(tmp_path), "--device", "cpu", "--checks", "2", "--quick"])
+    from tvm_deform.ir.definition import ConvShape
+    from tvm_deform.runtime import targets
+    from tvm_deform.tools import rounds
+
+    # A round of two tuning candidates of a small layer, built here for this CPU.
+    layer = {"small": ConvShape(1, 8, 6, 6, 8, 3, 3, pad_h=1, pad_w=1)}
+    rounds.propose(layer, targets.host_target(), tmp_path / "work", tmp_path / "round", 2)
+    argv = ["--out", str(tmp_path), "--device", "cpu", "--checks", "2", "--quick"]
+    argv += ["--model", "--model-size", "64", "--round", str(tmp_path / "round")]
+    code = gpu_session.main(argv)
     results = json.loads((tmp_path / "gpu_results.json").read_text())
     assert code == 0, results
     assert results["first_kernel"]["value"]["passed"]
@@ -37,6 +46,12 @@ def test_gpu_session_steps_run_on_the_cpu(tmp_path):
     assert "time_so_far" not in results
     table = (tmp_path / "gpu_results.md").read_text()
     assert "demo_64x56x56" in table and "speed-up over torchvision" in table
+    costs = {(r["layer"], r["implementation"]) for r in results["host_cost"]["value"]}
+    assert ("seed", gpu_session.PUBLIC_OP) in costs and ("seed", "torchvision") in costs
+    model = {r["implementation"]: r for r in results["model"]["value"]}
+    assert model["torch + tvm_deform"]["error"] < 1e-5 and model["torch + torchvision"]["median_ms"]
+    assert results["round"]["value"]["timed"] == 2
+    assert len((tmp_path / "round_results.jsonl").read_text().splitlines()) == 2
 
 
 def test_gpu_session_exits_non_zero_when_a_check_fails(tmp_path, monkeypatch):
@@ -139,10 +154,10 @@ def test_gpu_session_keeps_timing_when_an_implementation_fails(monkeypatch):
 
 
 def test_gpu_session_times_the_schedules_dispatch_does_not_pick(monkeypatch):
-    # Beside our kernels, the session times the public op as users call it; where the default
-    # splits the reduction, OnePassCUDA's one pass; where tensor cores take a layer, the
-    # tensor-core schedule (the last two stood for here by the CPU's default kernel). Each has
-    # a column of its own, which the speed-up over torchvision leaves out.
+    # Beside our kernels, the session times the public op as users call it; on a GPU the fused
+    # structure and the kernel for the layer's size alone; where tensor cores take a layer, the
+    # tensor-core schedule (the last three stood for here by the CPU's default kernel). Each
+    # has a column of its own, which the speed-up over torchvision leaves out.
     from tvm_deform.runtime import kernels
 
     def cpu_kernel(shape, target):
@@ -150,19 +165,27 @@ def test_gpu_session_times_the_schedules_dispatch_does_not_pick(monkeypatch):
 
     monkeypatch.setattr(gpu_session.schedules, "split_parts", lambda shape, target: 4)
     monkeypatch.setattr(gpu_session.schedules, "tensor_cores_take", lambda shape, target: True)
-    monkeypatch.setattr(gpu_session, "_one_pass_kernel", cpu_kernel)
+    monkeypatch.setattr(gpu_session, "compares_structures", lambda target: True)
+    monkeypatch.setattr(gpu_session, "_fused_kernel", cpu_kernel)
+    monkeypatch.setattr(gpu_session, "_one_size_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "_tensor_core_kernel", cpu_kernel)
     rows = gpu_session.time_layers({"seed": SUITE["seed"]}, "cpu", runs=3)
     by_name = {r["implementation"]: r for r in rows}
     assert by_name["tvm_deform default"]["split_parts"] == 4
     header, _, line = gpu_session.markdown(rows).splitlines()
-    columns = ((gpu_session.PUBLIC_OP, 6), (gpu_session.ONE_PASS, 7), (gpu_session.TENSOR_CORES, 8))
+    columns = (
+        (gpu_session.PUBLIC_OP, 6),
+        (gpu_session.FUSED, 7),
+        (gpu_session.ONE_SIZE, 8),
+        (gpu_session.TENSOR_CORES, 9),
+    )
     for label, column in columns:
         assert by_name[label]["median_ms"] > 0 and by_name[label]["error"] < 1e-6
         assert line.split("|")[column].strip() == f"{by_name[label]['median_ms']:.3f}"
-    assert [header.split("|")[c].strip() for c in (6, 7, 8)] == [
+    assert [header.split("|")[c].strip() for c in (6, 7, 8, 9)] == [
         "public op ms",
-        "one pass ms",
+        "fused ms",
+        "one size ms",
         "tensor cores ms",
     ]
     ours = by_name["tvm_deform default"]["median_ms"]
@@ -179,16 +202,17 @@ def test_gpu_session_builds_the_extra_schedules_before_timing(monkeypatch):
     from tvm_deform.ir import definition
     from tvm_deform.runtime import kernels
 
-    def cpu_kernel(shape, target):  # stands for the one-pass and tensor-core schedules
+    def cpu_kernel(shape, target):  # stands for the fused, one-size and tensor-core kernels
         func = definition.forward(shape)
         return kernels.load_scheduled(
             shape, target, "extra", lambda: schedules.apply_default("forward", func, target)
         )
 
     monkeypatch.setenv("TVM_DEFORM_TUNED", "0")
-    monkeypatch.setattr(gpu_session.schedules, "split_parts", lambda shape, target: 2)
     monkeypatch.setattr(gpu_session.schedules, "tensor_cores_take", lambda shape, target: True)
-    monkeypatch.setattr(gpu_session, "_one_pass_kernel", cpu_kernel)
+    monkeypatch.setattr(gpu_session, "compares_structures", lambda target: True)
+    monkeypatch.setattr(gpu_session, "_fused_kernel", cpu_kernel)
+    monkeypatch.setattr(gpu_session, "_one_size_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "_tensor_core_kernel", cpu_kernel)
     kernels.clear_memory_cache()
     gpu_session._build_one(SUITE["seed"], "cpu")
@@ -200,7 +224,7 @@ def test_gpu_session_builds_the_extra_schedules_before_timing(monkeypatch):
     monkeypatch.setattr(tvm, "compile", no_compile)
     rows = gpu_session.time_layers({"seed": SUITE["seed"]}, "cpu", runs=3)
     by_name = {r["implementation"]: r for r in rows}
-    for label in ("tvm_deform default", gpu_session.ONE_PASS, gpu_session.TENSOR_CORES):
+    for label in ("tvm_deform default", gpu_session.FUSED, gpu_session.TENSOR_CORES):
         assert by_name[label]["median_ms"] > 0 and by_name[label]["error"] < 1e-6, label
 
 
