@@ -586,6 +586,69 @@ def test_emulated_cuda_backward_matches_torchvision(cfg):
             assert_close(value, theirs[name], 2e-5, f"grad_{name}")
 
 
+def test_emulated_cuda_backward_for_any_size_matches_torchvision():
+    """The CUDA backward kernels for any size (the input's planes in a scratch buffer the call
+    passes), without the thread bindings, run on the CPU at sizes no suite names: every
+    gradient against torchvision's, and the same bits twice."""
+    from tvm_deform.schedules.cuda_backward import BackwardCUDA, GradInputCUDA
+
+    from tvm_deform.binding.ops import run_backward
+    from tvm_deform.runtime.kernels import BackwardKernels
+
+    layer = ConvShape(0, 16, 0, 0, 24, 3, 3, 2, 1, 1, 1, 1, 2, offset_groups=2, has_bias=True)
+    target, quantum = targets.host_target(), 8
+    func = definition.backward(layer, definition.ALL_GRADIENTS, "symbolic", quantum)
+    gradients = BackwardCUDA(emulate=True).apply(func, target)
+    func = definition.grad_input(layer, "workspace", "symbolic", quantum)
+    scatter = GradInputCUDA(emulate=True).apply(func, target)
+    symbol = "deform_conv2d_backward"
+    built = tvm.compile(
+        tvm.IRModule(
+            {
+                symbol: gradients.mod["main"].with_attr("global_symbol", symbol),
+                "deform_conv2d_grad_input": scatter.mod["main"],
+            }
+        ),
+        target=target,
+    )
+    compiled = BackwardKernels(
+        built[symbol], built["deform_conv2d_grad_input"], quantum, True, plane_workspace=True
+    )
+    for batch, height, width in ((1, 7, 9), (2, 12, 5), (3, 1, 3)):
+        shape = dataclasses.replace(layer, batch=batch, height=height, width=width)
+        inputs = random_inputs(shape)
+        grad_output = torch.randn(shape.batch, shape.out_channels, shape.out_h, shape.out_w)
+        arguments = [inputs[n] for n in ("input", "offset", "weight", "mask")]
+        ours = run_backward(shape, grad_output, *arguments, compiled)
+        again = run_backward(shape, grad_output, *arguments, compiled)
+        names = ["input", "offset", "weight", "bias", "mask"]
+        leaves = {n: inputs[n].clone().requires_grad_() for n in names}
+        out = torchvision.ops.deform_conv2d(**(inputs | leaves), **conv_kwargs(shape))
+        grads = torch.autograd.grad(out, list(leaves.values()), grad_output)
+        theirs = dict(zip(leaves, grads, strict=True))
+        order = ["input", "offset", "mask", "weight", "bias"]
+        for name, value, repeat in zip(order, ours, again, strict=True):
+            assert torch.equal(value, repeat), name
+            assert_close(value, theirs[name], 2e-5, f"grad_{name} at {batch}x{height}x{width}")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_cuda_backward_for_any_size_builds_without_atomics(arch):
+    from tvm_deform.runtime import kernels
+
+    layer = SUITE["demo_64x56x56"].any_size()
+    target = targets.cuda_target(arch)
+    quantum = schedules.backward_pixel_quantum(layer, target)
+    built = kernels.compile_backward(layer, target, None, quantum=quantum)
+    source = "\n".join(m.inspect_source("cuda") for m in built.mod.imports if m.kind == "cuda")
+    assert "atomic" not in source
+    machine = cuda_build.nvcc_build(source, arch)
+    assert "deform_conv2d_grad_input_kernel" in machine.kernels
+    assert not machine.spills()
+    assert kernels.any_size(SUITE["demo_64x56x56"], target, False, op="backward")
+
+
 @needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_cuda_backward_builds_without_atomics(arch):

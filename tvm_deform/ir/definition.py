@@ -840,7 +840,9 @@ def grad_input(
     (``grad_columns`` times the corner coefficient) into the four input pixels it was sampled
     from, in a fixed order (tap, then pixel, then corner), into a plane held in the accumulator
     dtype (in memory of ``plane_scope``: "local" on a GPU, where each thread fills its own
-    plane). Planes never share memory, so a schedule can run the blocks in parallel without
+    plane; "workspace": a scratch buffer of every plane that the caller passes, an argument
+    before ``grad_input``, for a GPU kernel for any size).
+    Planes never share memory, so a schedule can run the blocks in parallel without
     atomics and the result is bit-identical from run to run.
 
     Arguments: grad_columns, sample_rows, sample_cols, sample_coef (written by
@@ -900,6 +902,57 @@ def grad_input(
                 for y, x in T.grid(h_, w_):
                     grad_input[vn, vc, y, x] = T.cast(plane[y, x], dtype)
 
+    if plane_scope == "workspace":
+        func = _grad_input_in_workspace(
+            (n_, c_, h_, w_, taps, pixels, per_group),
+            (columns_shape, rows_shape, coef_shape, input_shape),
+            dtype,
+            acc,
+        )
     if sizes == "symbolic":
         func = func.with_attr("pixel_quantum", pixel_quantum)
+    return func
+
+
+def _grad_input_in_workspace(sizes, shapes, dtype: str, acc: str) -> tirx.PrimFunc:
+    """:func:`grad_input` with every plane in one scratch buffer that the caller passes
+    (``planes``, ``[n, c, h, w]`` in the accumulator dtype, before ``grad_input``) rather than
+    in memory of the block's own: what a GPU kernel for any size needs (a thread cannot hold a
+    plane of a size it does not know, and a kernel cannot allocate global memory)."""
+    n_, c_, h_, w_, taps, pixels, per_group = sizes
+    columns_shape, rows_shape, coef_shape, input_shape = shapes
+
+    @T.prim_func(s_tir=True)
+    def func(
+        grad_columns: T.Buffer(columns_shape, acc),
+        sample_rows: T.Buffer(rows_shape, "int32"),
+        sample_cols: T.Buffer(rows_shape, "int32"),
+        sample_coef: T.Buffer(coef_shape, acc),
+        planes: T.Buffer(input_shape, acc),
+        grad_input: T.Buffer(input_shape, dtype),
+    ):
+        T.func_attr({"global_symbol": "deform_conv2d_grad_input", "tirx.noalias": True})
+        for n, c in T.grid(n_, c_):
+            with T.sblock("grad_input"):
+                vn, vc = T.axis.remap("SS", [n, c])
+                T.reads(
+                    grad_columns[vn, vc, 0:taps, 0:pixels],
+                    sample_rows[vn, vc // per_group, 0:taps, 0:2, 0:pixels],
+                    sample_cols[vn, vc // per_group, 0:taps, 0:2, 0:pixels],
+                    sample_coef[vn, vc // per_group, 0:taps, 0:4, 0:pixels],
+                )  # its plane is written (zeroed) before it is read: the block's own
+                T.writes(grad_input[vn, vc, 0:h_, 0:w_], planes[vn, vc, 0:h_, 0:w_])
+                for y, x in T.grid(h_, w_):
+                    planes[vn, vc, y, x] = T.cast(0, acc)
+                for k, p in T.grid(taps, pixels):
+                    for q in T.unroll(4):
+                        row = sample_rows[vn, vc // per_group, k, q // 2, p]
+                        col = sample_cols[vn, vc // per_group, k, q % 2, p]
+                        planes[vn, vc, row, col] = (
+                            planes[vn, vc, row, col]
+                            + sample_coef[vn, vc // per_group, k, q, p] * grad_columns[vn, vc, k, p]
+                        )
+                for y, x in T.grid(h_, w_):
+                    grad_input[vn, vc, y, x] = T.cast(planes[vn, vc, y, x], dtype)
+
     return func

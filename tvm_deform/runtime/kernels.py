@@ -79,6 +79,9 @@ class BackwardKernels(NamedTuple):
     #: (kernels for any size) or only past one quantum
     quantum: int = definition.PIXEL_QUANTUM
     any_size: bool = False
+    #: whether the input's scatter takes a scratch buffer of its planes (``[n, c, h, w]`` in
+    #: the accumulator dtype) before the gradient: a GPU kernel for any size
+    plane_workspace: bool = False
 
 
 @functools.cache
@@ -273,7 +276,9 @@ def compile_backward(
     }
     cuda = target.kind.name == "cuda"
     if gradients.input:
-        scope = "local" if cuda else "global"  # on a GPU, each thread's plane is its own
+        # On a GPU each thread's plane is its own: in local memory where its size is known,
+        # else in a scratch buffer of the kernel.
+        scope = ("local" if sizes == "static" else "workspace") if cuda else "global"
         func = definition.grad_input(shape, scope, sizes, quantum)
         scatter = schedules.apply_default("grad_input", func, target)
         functions["deform_conv2d_grad_input"] = scatter.mod["main"]
@@ -354,7 +359,7 @@ def any_size(
 ) -> bool:
     """Whether ``shape``'s ``op`` ("forward" or "backward") runs kernels compiled for every
     size of its layer (batch, height and width symbolic), not for its own size: on CPUs, and
-    on GPUs for the forward of an NCHW input, unless ``TVM_DEFORM_SIZES=static``, the call's
+    on GPUs for an NCHW input, unless ``TVM_DEFORM_SIZES=static``, the call's
     buffers pass 2^31 elements (int32 indices), or this machine's own tuning logs hold records
     of exactly this shape (``tuned``: a kernel of its size tuned here is faster). Other
     machines' records do not count: timing them here at a size's first use takes seconds,
@@ -363,7 +368,7 @@ def any_size(
     kind = target.kind.name
     return (
         env.sizes() == "any"
-        and (kind == "llvm" or (kind == "cuda" and op == "forward" and layout == "NCHW"))
+        and (kind == "llvm" or (kind == "cuda" and layout == "NCHW"))
         and shape.largest_forward_buffer() <= definition.INT32_MAX
         and not (tuned and layout == "NCHW" and shape in records.tuned_shapes(target, op))
     )
@@ -511,7 +516,9 @@ def _any_size_backward(
             lambda: compile_backward(layer, target, None, gradients, quantum),
             _describe(layer, target, op, "default"),
         )
-        return _backward_kernels(module, gradients)._replace(quantum=quantum, any_size=True)
+        return _backward_kernels(module, gradients)._replace(
+            quantum=quantum, any_size=True, plane_workspace=target.kind.name == "cuda"
+        )
 
     return _memoised(("backward", layer, gradients, _target_text(target), "any"), load)
 
