@@ -98,7 +98,13 @@ class OnePassCUDA(Rule):
         """The register block's rows along the output channels: ``regs_o``, or in a space a
         sampled choice among the tiles with ``threads_o`` threads within ``budget``."""
         rows = [r for t, r in self.out_tiles if t == threads_o]
-        return choose(rows, regs_o, lambda r: self.fits(sch, threads_o, r, budget))
+        # One row is left out unless it is the default's: the output's unit loop vanishes from
+        # reverse_compute_at's loops, and a trace sampled otherwise no longer replays.
+        return choose(
+            rows,
+            regs_o,
+            lambda r: (r > 1 or r == regs_o) and self.fits(sch, threads_o, r, budget),
+        )
 
     def shared_bytes(self, sch: s_tir.Schedule, threads_o: int, regs_o: int) -> int:
         """Shared memory one thread block stages with this output tile (an upper bound);
@@ -161,7 +167,9 @@ class OnePassCUDA(Rule):
         sch.compute_at(columns, r_outer)
         return columns
 
-    def _cooperative(self, sch: s_tir.Schedule, block, depth: int, threads_o: int) -> None:
+    def _cooperative(
+        self, sch: s_tir.Schedule, block, depth: int, threads_o, threads_p=None
+    ) -> None:
         """Spread ``block``'s loops below the first ``depth`` (a shared-memory fill) over the
         thread block's threads. A fill of one element (one channel, a 1x1 kernel) has no loop
         there: every thread writes that same value."""
@@ -169,14 +177,25 @@ class OnePassCUDA(Rule):
         if not loops:
             return
         fused = sch.fuse(*loops)
-        _, ty, tx = sch.split(fused, [None, threads_o, self.threads_p])
+        threads_p = self.threads_p if threads_p is None else threads_p
+        _, ty, tx = sch.split(fused, [None, threads_o, threads_p])
         self._bind(sch, ty, "threadIdx.y")
         self._bind(sch, tx, "threadIdx.x")
 
-    def _gemm(self, sch: s_tir.Schedule, threads_o: int, regs_o: int, block: str = "conv") -> None:
+    def _gemm(
+        self,
+        sch: s_tir.Schedule,
+        threads_o,
+        regs_o,
+        block: str = "conv",
+        pixel_tile: tuple | None = None,
+        chunk=None,
+    ) -> None:
         """Tile the GEMM ``block``: ``conv`` itself, whose epilogue then runs from the
         registers, or the partial sums of a split reduction (``conv_rf``, with the part as its
-        fourth loop), each part a thread block of its own, written back from the registers."""
+        fourth loop), each part a thread block of its own, written back from the registers.
+        ``pixel_tile`` (threads, registers along the pixels) and ``chunk`` (input channels per
+        shared-memory chunk) default to the rule's; any tile size may be a sampled choice."""
         conv = sch.get_sblock(block)
         columns = sch.get_sblock("columns")
         output = sch.get_sblock("output")
@@ -189,8 +208,10 @@ class OnePassCUDA(Rule):
         # Each thread's register block is contiguous, so the write-back of one thread covers
         # exactly its own outputs (a strided block made it cover its neighbours' too).
         o_outer, o_thread, o_reg = sch.split(o, [None, threads_o, regs_o])
-        p_outer, p_thread, p_reg = sch.split(p, [None, self.threads_p, self.regs_p])
-        r_outer, r_inner = sch.split(rc, [None, self._channels_per_chunk(weight_in, taps)])
+        threads_p, regs_p = pixel_tile or (self.threads_p, self.regs_p)
+        p_outer, p_thread, p_reg = sch.split(p, [None, threads_p, regs_p])
+        chunk = self._channels_per_chunk(weight_in, taps) if chunk is None else chunk
+        r_outer, r_inner = sch.split(rc, [None, chunk])
         sch.reorder(
             *part, n, o_outer, p_outer, o_thread, p_thread, r_outer, r_inner, rk, o_reg, p_reg
         )
@@ -214,7 +235,7 @@ class OnePassCUDA(Rule):
             for f in (weight, columns)
         ]
         for fill, depth in zip((weight, columns), depths, strict=True):
-            self._cooperative(sch, fill, depth, threads_o)
+            self._cooperative(sch, fill, depth, threads_o, threads_p)
 
         sch.unroll(o_reg)
         sch.unroll(p_reg)
@@ -421,18 +442,42 @@ class SampleOnceCUDA(SplitReductionCUDA):
 
     def _schedule(self, sch: s_tir.Schedule, target: Target, parts, tunable: bool):
         """Lay out the kernels in ``sch`` with the reduction in ``parts`` (an int, or a
-        sampled choice of at least 2)."""
+        sampled choice of at least 2); in a design space, every tile size a sampled choice
+        starting at the default's (sizes that break a limit of the GPU, MetaSchedule's
+        ``VerifyGPUCode`` rejects)."""
         budget = self.budget(target)
         _, threads_o, regs_o = self._plan(sch, target)
-        regs_o = self.choose_rows(sch, threads_o, regs_o, budget, Choices(sch, tunable))
-        self._sampling(sch)
-        if isinstance(parts, int) and parts == 1:
-            self._gemm(sch, threads_o, regs_o)
+        choose = Choices(sch, tunable)
+        conv = sch.get(sch.get_sblock("conv"))
+        weight_in, taps = int(conv.iter_vars[3].dom.extent), int(conv.iter_vars[4].dom.extent)
+        default_chunk = self._channels_per_chunk(weight_in, taps)
+        rows = self.choose_rows(sch, threads_o, regs_o, budget, choose)
+        threads = choose(
+            (4, 8, 16),
+            threads_o,
+            lambda t: t * self.threads_p <= 1024 and self.fits(sch, t, regs_o, budget),
+        )
+        pixel_tile = (
+            choose((8, 16, 32), self.threads_p, lambda t: t * threads_o <= 1024),
+            choose((2, 4, 8), self.regs_p),
+        )
+        one_pass = isinstance(parts, int) and parts == 1
+        # A chunk of a split reduction stays the default's: it must divide a part. Sizes of
+        # one are left out (a unit loop vanishes from compute_at's loops and breaks the replay
+        # of a trace sampled otherwise), unless they are the default's.
+        chunk = choose(
+            [c for c in range(2, weight_in) if weight_in % c == 0 and c * taps <= 64],
+            default_chunk,
+            lambda c: one_pass or c == default_chunk,
+        )
+        self._sampling(sch, choose)
+        if one_pass:
+            self._gemm(sch, threads, rows, pixel_tile=pixel_tile, chunk=chunk)
             return sch
         _, _, _, rc, _ = sch.get_loops(sch.get_sblock("conv"))
         part, _ = sch.split(rc, [parts, None])
         sch.rfactor(part, factor_axis=0)
-        self._gemm(sch, threads_o, regs_o, block="conv_rf")
+        self._gemm(sch, threads, rows, block="conv_rf", pixel_tile=pixel_tile)
         # The sum of the parts and the epilogue: one thread per output, the parts in order.
         output = sch.get_sblock("output")
         fused = sch.fuse(*sch.get_loops(output))
@@ -472,8 +517,8 @@ class SampleOnceCUDA(SplitReductionCUDA):
         parts = self.choose_parts(sch, threads_o, regs_o, self.blocks_wanted(target))
         return parts, threads_o, regs_o
 
-    def _sampling(self, sch: s_tir.Schedule) -> None:
-        """The sampling kernel (see the class docstring)."""
+    def _sampling(self, sch: s_tir.Schedule, choose: Choices) -> None:
+        """The sampling kernel (see the class docstring); ``choose`` answers its sizes."""
         columns = sch.get_sblock("columns")
         geometry = geometry_blocks(sch)
         if len(geometry) > len(GEOMETRY):
@@ -481,12 +526,16 @@ class SampleOnceCUDA(SplitReductionCUDA):
         n, c, k, p = sch.get_loops(columns)
         channels = int(sch.get(c).extent)
         groups = int(sch.get(sch.get_loops(geometry[0])[1]).extent)
-        run = largest_divisor(channels // groups, self.channels_per_thread)
+        per_group = channels // groups
+        run = choose(
+            [d for d in range(2, min(per_group, 17)) if per_group % d == 0],
+            largest_divisor(per_group, self.channels_per_thread),
+        )
         g, c_run, c_inner = sch.split(c, [groups, None, run])
-        p_outer, p_thread = sch.split(p, [None, self.sample_pixels])
+        p_outer, p_thread = sch.split(p, [None, choose((32, 64, 128), self.sample_pixels)])
         sch.reorder(n, p_outer, g, k, c_run, p_thread, c_inner)
         rows = sch.fuse(g, k, c_run)
-        row_outer, row_thread = sch.split(rows, [None, self.sample_rows])
+        row_outer, row_thread = sch.split(rows, [None, choose((2, 4, 8), self.sample_rows)])
         sch.reorder(n, p_outer, row_outer, row_thread, p_thread)
         self._bind(sch, p_outer, "blockIdx.x")
         self._bind(sch, row_outer, "blockIdx.y")

@@ -281,6 +281,44 @@ def test_half_precision_sample_once_matches_the_upcast_reference():
             assert_close(ours.double(), expected, HALF_TOLERANCE[dtype])
 
 
+def random_points(func, rule, target, count: int) -> list[s_tir.Schedule]:
+    """``count`` points of each of ``rule``'s design spaces of ``func``, their sampled tile
+    sizes drawn at random (the traces replayed without their decisions)."""
+    from tvm.s_tir.schedule import Trace
+
+    points = []
+    for space in rule.apply(func, target, tunable=True):
+        for seed in range(1, count + 1):
+            sch = s_tir.Schedule(func, seed=seed)
+            Trace(space.trace.insts, {}).apply_to_schedule(sch, remove_postproc=True)
+            points.append(sch)
+    return points
+
+
+def test_random_points_of_the_sample_once_spaces_match_torchvision():
+    """What a tuning round may propose computes torchvision's numbers: random tile sizes of
+    both design spaces (one pass and split), emulated on the CPU."""
+    shape = ConvShape(1, 32, 11, 9, 48, 3, 3, pad_h=1, pad_w=1, offset_groups=2, has_bias=True)
+    inputs = random_inputs(shape)
+    expected = torchvision.ops.deform_conv2d(**inputs, **conv_kwargs(shape))
+    host = targets.host_target()
+    points = random_points(definition.forward(shape), SampleOnceCUDA(emulate=True), host, 6)
+    decided = {tuple(int(v) for v in p.trace.decisions.values()) for p in points}
+    assert len(decided) > 6
+    for sch in points:
+        kernel = tvm.compile(sch.mod, target=host)["deform_conv2d"]
+        assert_close(run_forward(shape, **inputs, kernel=kernel), expected, 1e-6)
+
+
+@needs_nvcc
+def test_random_points_of_the_sample_once_spaces_build_for_the_gpu():
+    target = targets.cuda_target("sm_90", 132)
+    shape = SUITE["r50dcn320_c4_256x20x20"]
+    for sch in random_points(definition.forward(shape), SampleOnceCUDA(), target, 3):
+        built = cuda_build.nvcc_build(cuda_build.cuda_source(shape, "sm_90", schedule=sch), "sm_90")
+        assert 2 <= len(built.kernels) <= 3 and not built.spills()
+
+
 #: what torch may do in a call of ours without launching a kernel on a GPU: allocate, view
 LAUNCH_FREE_OPS = {
     "aten::empty",
