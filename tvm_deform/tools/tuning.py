@@ -70,12 +70,10 @@ SPACES = ("handwritten", "generic")
 def spaces_for(target: Target, op: str) -> tuple[str, ...]:
     """The design spaces ``op`` is tuned in on ``target``'s kind. MetaSchedule's generic space
     is not offered for the backward kernel, whose nine stages (two GEMMs, gathers and an
-    rfactor-ed reduction) its rules do not schedule sensibly. A CUDA target is tuned in the
-    generic space: the CUDA rules' own spaces are small (the register block's rows, the split's
-    parts) and have not been measured on a GPU yet, and the CUDA backward (one thread per
+    rfactor-ed reduction) its rules do not schedule sensibly; the CUDA backward (one thread per
     element) has nothing to tune."""
     if target.kind.name == "cuda":
-        return ("generic",) if op == "forward" else ()
+        return SPACES if op == "forward" else ()
     return SPACES if op == "forward" else ("handwritten",)
 
 
