@@ -233,14 +233,30 @@ def emulated_any_size_kernel(shape: ConvShape, parts: int | None = None):
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[f"cfg{i}" for i in range(len(CONFIGS))])
 def test_emulated_sample_once_schedule_matches_torchvision(cfg):
     """The default CUDA forward's structure (the sampling kernel and the GEMM), per size and
-    for any size, without the thread bindings, run on the CPU against torchvision."""
+    for any size, without the thread bindings, run on the CPU: against torchvision, and
+    against torchvision in float64 on the same inputs."""
     shape = shape_of(cfg)
     args = make_inputs(cfg, torch.float32)
     expected = torchvision.ops.deform_conv2d(**args)
+    exact = torchvision.ops.deform_conv2d(**_upcast(args, torch.float64))
     arguments = [args[n] for n in ("input", "offset", "weight", "bias", "mask")]
     static = emulated_kernel(shape, SampleOnceCUDA(emulate=True))
-    assert_close(run_forward(shape, *arguments, static), expected, 1e-6)
-    assert_close(run_forward(shape, *arguments, emulated_any_size_kernel(shape)), expected, 1e-6)
+    for kernel in (static, emulated_any_size_kernel(shape)):
+        ours = run_forward(shape, *arguments, kernel)
+        assert_close(ours, expected, 1e-6)
+        assert_as_exact_as_torchvision(ours, expected, exact)
+
+
+def _upcast(args: dict, dtype: torch.dtype) -> dict:
+    return {k: v.to(dtype) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+def assert_as_exact_as_torchvision(ours, theirs, exact, name: str = "") -> None:
+    """``ours`` no further from the float64 result ``exact`` than twice torchvision's float32
+    result ``theirs`` is (float32 rounding grows with the reduction's length)."""
+    error = (ours.double() - exact).norm() / exact.norm()
+    bound = (theirs.double() - exact).norm() / exact.norm()
+    assert error <= 2 * bound + 1e-7, f"{name}: {error:.3g} from float64, torchvision {bound:.3g}"
 
 
 #: sizes no suite layer has, for one layer's kernel for any size: odd maps, 1x1 maps, an empty
@@ -257,8 +273,14 @@ def test_one_emulated_cuda_kernel_takes_every_size(parts):
         inputs = random_inputs(shape)
         ours = run_forward(shape, **inputs, kernel=kernel)
         expected = torchvision.ops.deform_conv2d(**inputs, **conv_kwargs(shape))
+        exact = torchvision.ops.deform_conv2d(
+            **_upcast(inputs, torch.float64), **conv_kwargs(shape)
+        )
         assert ours.shape == expected.shape
-        assert_close(ours, expected, 1e-6, f"{batch}x{height}x{width}")
+        where = f"{batch}x{height}x{width}"
+        assert_close(ours, expected, 1e-6, where)
+        if batch:
+            assert_as_exact_as_torchvision(ours, expected, exact, where)
         # The parts are added in a fixed order: the same bits again.
         assert torch.equal(ours, run_forward(shape, **inputs, kernel=kernel))
 
@@ -624,16 +646,19 @@ def test_emulated_cuda_backward_matches_torchvision(cfg):
             assert_close(value, theirs[name], 2e-5, f"grad_{name}")
 
 
-def test_emulated_cuda_backward_for_any_size_matches_torchvision():
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_emulated_cuda_backward_for_any_size_matches_torchvision(dtype):
     """The CUDA backward kernels for any size (the input's planes in a scratch buffer the call
     passes), without the thread bindings, run on the CPU at sizes no suite names: every
-    gradient against torchvision's, and the same bits twice."""
+    gradient against torchvision's in float64 on the same (upcast) inputs, in float32 also
+    against torchvision's own, and the same bits twice."""
     from tvm_deform.schedules.cuda_backward import BackwardCUDA, GradInputCUDA
 
     from tvm_deform.binding.ops import run_backward
     from tvm_deform.runtime.kernels import BackwardKernels
 
     layer = ConvShape(0, 16, 0, 0, 24, 3, 3, 2, 1, 1, 1, 1, 2, offset_groups=2, has_bias=True)
+    layer = dataclasses.replace(layer, dtype=dtype)
     target, quantum = targets.host_target(), 8
     func = definition.backward(layer, definition.ALL_GRADIENTS, "symbolic", quantum)
     gradients = BackwardCUDA(emulate=True).apply(func, target)
@@ -652,22 +677,28 @@ def test_emulated_cuda_backward_for_any_size_matches_torchvision():
     compiled = BackwardKernels(
         built[symbol], built["deform_conv2d_grad_input"], quantum, True, plane_workspace=True
     )
+    tolerance = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}[dtype]
     for batch, height, width in ((1, 7, 9), (2, 12, 5), (3, 1, 3)):
         shape = dataclasses.replace(layer, batch=batch, height=height, width=width)
         inputs = random_inputs(shape)
         grad_output = torch.randn(shape.batch, shape.out_channels, shape.out_h, shape.out_w)
+        grad_output = grad_output.to(getattr(torch, dtype))
         arguments = [inputs[n] for n in ("input", "offset", "weight", "mask")]
         ours = run_backward(shape, grad_output, *arguments, compiled)
         again = run_backward(shape, grad_output, *arguments, compiled)
-        names = ["input", "offset", "weight", "bias", "mask"]
-        leaves = {n: inputs[n].clone().requires_grad_() for n in names}
-        out = torchvision.ops.deform_conv2d(**(inputs | leaves), **conv_kwargs(shape))
-        grads = torch.autograd.grad(out, list(leaves.values()), grad_output)
-        theirs = dict(zip(leaves, grads, strict=True))
-        order = ["input", "offset", "mask", "weight", "bias"]
-        for name, value, repeat in zip(order, ours, again, strict=True):
-            assert torch.equal(value, repeat), name
-            assert_close(value, theirs[name], 2e-5, f"grad_{name} at {batch}x{height}x{width}")
+        references = [torch.float64] + ([torch.float32] if dtype == "float32" else [])
+        for reference in references:
+            names = ["input", "offset", "weight", "bias", "mask"]
+            leaves = {n: inputs[n].to(reference).requires_grad_() for n in names}
+            out = torchvision.ops.deform_conv2d(**leaves, **conv_kwargs(shape))
+            grads = torch.autograd.grad(out, list(leaves.values()), grad_output.to(reference))
+            theirs = dict(zip(leaves, grads, strict=True))
+            order = ["input", "offset", "mask", "weight", "bias"]
+            for name, value, repeat in zip(order, ours, again, strict=True):
+                assert value.dtype == getattr(torch, dtype)
+                assert torch.equal(value, repeat), name
+                where = f"grad_{name} at {batch}x{height}x{width} against {reference}"
+                assert_close(value, theirs[name], tolerance, where)
 
 
 @needs_nvcc
