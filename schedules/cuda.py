@@ -349,34 +349,48 @@ class SplitReductionCUDA(OnePassCUDA):
         budget = self.budget(target)
         parts, threads_o, regs_o = self._plan(sch, target)
         if tunable and is_deform_conv(sch):
-            weight_in = int(sch.get(sch.get_loops(sch.get_sblock("conv"))[3]).extent)
-            candidates = [
-                p
-                for p in (2**i for i in range(1, self.max_parts.bit_length()))
-                if p <= self.max_parts
-                and weight_in % p == 0
-                and weight_in // p >= self.min_part_channels
-            ]
+            candidates = self.part_candidates(sch)
             if candidates:
                 choose = Choices(sch, True)
                 parts = choose(candidates, parts, lambda p: p > 1)
                 regs_o = self.choose_rows(sch, threads_o, regs_o, budget, choose)
         if isinstance(parts, int) and parts == 1:
             return None
-        _, _, _, rc, _ = sch.get_loops(sch.get_sblock("conv"))
         for name in GEOMETRY:
             self.elementwise(sch, sch.get_sblock(name))
+        self._split(sch, parts)
+        self._gemm(sch, threads_o, regs_o, block="conv_rf")
+        self._sum_parts(sch)
+        return sch
+
+    def part_candidates(self, sch: s_tir.Schedule) -> list[int]:
+        """The parts a space samples for the unscheduled PrimFunc in ``sch``: powers of two up
+        to ``max_parts`` that divide the input channels per group into slices of at least
+        ``min_part_channels``."""
+        weight_in = int(sch.get(sch.get_loops(sch.get_sblock("conv"))[3]).extent)
+        return [
+            p
+            for p in (2**i for i in range(1, self.max_parts.bit_length()))
+            if p <= self.max_parts
+            and weight_in % p == 0
+            and weight_in // p >= self.min_part_channels
+        ]
+
+    def _split(self, sch: s_tir.Schedule, parts) -> None:
+        """Split the GEMM's reduction over the input channels into ``parts`` (``rfactor``:
+        the partial sums in ``conv_rf``)."""
+        _, _, _, rc, _ = sch.get_loops(sch.get_sblock("conv"))
         part, _ = sch.split(rc, [parts, None])
         sch.rfactor(part, factor_axis=0)
-        self._gemm(sch, threads_o, regs_o, block="conv_rf")
-        # The sum of the parts and the epilogue: one thread per output, the parts in order.
+
+    def _sum_parts(self, sch: s_tir.Schedule) -> None:
+        """The sum of the parts and the epilogue: one thread per output, the parts in order."""
         output = sch.get_sblock("output")
         fused = sch.fuse(*sch.get_loops(output))
         blocks, threads = sch.split(fused, [None, self.geometry_threads])
         self._bind(sch, blocks, "blockIdx.x")
         self._bind(sch, threads, "threadIdx.x")
         sch.compute_at(sch.get_sblock("conv"), threads)
-        return sch
 
 
 class SampleOnceCUDA(SplitReductionCUDA):
@@ -428,13 +442,7 @@ class SampleOnceCUDA(SplitReductionCUDA):
                 return None  # a part holds whole channels
             return self._schedule(sch, target, parts, False)
         spaces = [self._schedule(s_tir.Schedule(func), target, 1, True)]
-        splits = [
-            p
-            for p in (2**i for i in range(1, self.max_parts.bit_length()))
-            if p <= self.max_parts
-            and weight_in % p == 0
-            and weight_in // p >= self.min_part_channels
-        ]
+        splits = self.part_candidates(sch)
         if splits:
             sampled = Choices(sch, True)(splits, parts)
             spaces.append(self._schedule(sch, target, sampled, True))
@@ -474,17 +482,9 @@ class SampleOnceCUDA(SplitReductionCUDA):
         if one_pass:
             self._gemm(sch, threads, rows, pixel_tile=pixel_tile, chunk=chunk)
             return sch
-        _, _, _, rc, _ = sch.get_loops(sch.get_sblock("conv"))
-        part, _ = sch.split(rc, [parts, None])
-        sch.rfactor(part, factor_axis=0)
+        self._split(sch, parts)
         self._gemm(sch, threads, rows, block="conv_rf", pixel_tile=pixel_tile)
-        # The sum of the parts and the epilogue: one thread per output, the parts in order.
-        output = sch.get_sblock("output")
-        fused = sch.fuse(*sch.get_loops(output))
-        blocks, threads = sch.split(fused, [None, self.geometry_threads])
-        self._bind(sch, blocks, "blockIdx.x")
-        self._bind(sch, threads, "threadIdx.x")
-        sch.compute_at(sch.get_sblock("conv"), threads)
+        self._sum_parts(sch)
         return sch
 
     def pixel_classes(self, func: tirx.PrimFunc, target: Target) -> tuple[int, ...]:

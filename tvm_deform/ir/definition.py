@@ -869,6 +869,23 @@ def grad_input(
         for name in ("grad_columns", "sample_rows", "sample_coef", "grad_input")
     )
 
+    @T.macro
+    def scatter(plane, image, channel, gradient, rows, cols, coefs, result):
+        # In the block of one image plane: the plane zeroed, every sample's gradient added into
+        # its four corners in a fixed order, the plane cast into the input's gradient.
+        for y, x in T.grid(h_, w_):
+            plane[y, x] = T.cast(0, acc)
+        for k, p in T.grid(taps, pixels):
+            for q in T.unroll(4):
+                row = rows[image, channel // per_group, k, q // 2, p]
+                col = cols[image, channel // per_group, k, q % 2, p]
+                plane[row, col] = (
+                    plane[row, col]
+                    + coefs[image, channel // per_group, k, q, p] * gradient[image, channel, k, p]
+                )
+        for y, x in T.grid(h_, w_):
+            result[image, channel, y, x] = T.cast(plane[y, x], dtype)
+
     @T.prim_func(s_tir=True)
     def func(
         grad_columns: T.Buffer(columns_shape, acc),
@@ -889,41 +906,14 @@ def grad_input(
                 )
                 T.writes(grad_input[vn, vc, 0:h_, 0:w_])
                 plane = T.sblock_alloc_buffer((h_, w_), acc, scope=plane_scope)
-                for y, x in T.grid(h_, w_):
-                    plane[y, x] = T.cast(0, acc)
-                for k, p in T.grid(taps, pixels):
-                    for q in T.unroll(4):
-                        row = sample_rows[vn, vc // per_group, k, q // 2, p]
-                        col = sample_cols[vn, vc // per_group, k, q % 2, p]
-                        plane[row, col] = (
-                            plane[row, col]
-                            + sample_coef[vn, vc // per_group, k, q, p] * grad_columns[vn, vc, k, p]
-                        )
-                for y, x in T.grid(h_, w_):
-                    grad_input[vn, vc, y, x] = T.cast(plane[y, x], dtype)
+                scatter(
+                    plane, vn, vc, grad_columns, sample_rows, sample_cols, sample_coef, grad_input
+                )
 
-    if plane_scope == "workspace":
-        func = _grad_input_in_workspace(
-            (n_, c_, h_, w_, taps, pixels, per_group),
-            (columns_shape, rows_shape, coef_shape, input_shape),
-            dtype,
-            acc,
-        )
-    if sizes == "symbolic":
-        func = func.with_attr("pixel_quantum", pixel_quantum)
-    return func
-
-
-def _grad_input_in_workspace(sizes, shapes, dtype: str, acc: str) -> tirx.PrimFunc:
-    """:func:`grad_input` with every plane in one scratch buffer that the caller passes
-    (``planes``, ``[n, c, h, w]`` in the accumulator dtype, before ``grad_input``) rather than
-    in memory of the block's own: what a GPU kernel for any size needs (a thread cannot hold a
-    plane of a size it does not know, and a kernel cannot allocate global memory)."""
-    n_, c_, h_, w_, taps, pixels, per_group = sizes
-    columns_shape, rows_shape, coef_shape, input_shape = shapes
-
+    # A GPU kernel for any size: a thread cannot hold a plane of a size it does not know, and
+    # a kernel cannot allocate global memory; the caller passes a scratch buffer of them all.
     @T.prim_func(s_tir=True)
-    def func(
+    def in_workspace(
         grad_columns: T.Buffer(columns_shape, acc),
         sample_rows: T.Buffer(rows_shape, "int32"),
         sample_cols: T.Buffer(rows_shape, "int32"),
@@ -942,17 +932,13 @@ def _grad_input_in_workspace(sizes, shapes, dtype: str, acc: str) -> tirx.PrimFu
                     sample_coef[vn, vc // per_group, 0:taps, 0:4, 0:pixels],
                 )  # its plane is written (zeroed) before it is read: the block's own
                 T.writes(grad_input[vn, vc, 0:h_, 0:w_], planes[vn, vc, 0:h_, 0:w_])
-                for y, x in T.grid(h_, w_):
-                    planes[vn, vc, y, x] = T.cast(0, acc)
-                for k, p in T.grid(taps, pixels):
-                    for q in T.unroll(4):
-                        row = sample_rows[vn, vc // per_group, k, q // 2, p]
-                        col = sample_cols[vn, vc // per_group, k, q % 2, p]
-                        planes[vn, vc, row, col] = (
-                            planes[vn, vc, row, col]
-                            + sample_coef[vn, vc // per_group, k, q, p] * grad_columns[vn, vc, k, p]
-                        )
-                for y, x in T.grid(h_, w_):
-                    grad_input[vn, vc, y, x] = T.cast(planes[vn, vc, y, x], dtype)
+                plane = T.match_buffer(planes[vn, vc, 0:h_, 0:w_], (h_, w_), acc, offset_factor=1)
+                scatter(
+                    plane, vn, vc, grad_columns, sample_rows, sample_cols, sample_coef, grad_input
+                )
 
+    if plane_scope == "workspace":
+        func = in_workspace
+    if sizes == "symbolic":
+        func = func.with_attr("pixel_quantum", pixel_quantum)
     return func
