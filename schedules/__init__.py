@@ -14,6 +14,8 @@ half-precision layer on tensor cores (:mod:`.cuda_tensor_core`), which is not th
 
 from __future__ import annotations
 
+import functools
+
 from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm_deform.schedules.common import lanes
@@ -86,7 +88,13 @@ def pixel_classes(shape: ConvShape, target: Target) -> tuple[int, ...]:
     class, ``(1,)``, where it never does."""
     if target.kind.name == "llvm":
         return cpu_pixel_classes(shape, target)
-    return SampleOnceCUDA().pixel_classes(_any_size_definition(shape, target), target)
+    return _gpu_pixel_classes(shape.any_size(), target)
+
+
+@functools.lru_cache(maxsize=256)
+def _gpu_pixel_classes(layer: ConvShape, target: Target) -> tuple[int, ...]:
+    # Once per layer: it builds the PrimFunc (20 ms), which a new size must not pay again.
+    return SampleOnceCUDA().pixel_classes(_any_size_definition(layer, target), target)
 
 
 def any_size_quantum(shape: ConvShape, target: Target, min_pixels: int) -> int:
