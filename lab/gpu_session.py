@@ -70,7 +70,7 @@ from tvm_deform.tools.suite import load_suite
 #: counted as ours in the speed-ups)
 FUSED = "fused (OnePassCUDA)"
 ONE_SIZE = "one size (static kernel)"
-TENSOR_CORES = "tensor cores (TensorCoreCUDA)"
+TENSOR_CORES = "tensor cores (SampleOnceTensorCoreCUDA)"
 #: our kernels that dispatch may run, timed through their handles: the speed-ups take the best
 KERNELS = ("tvm_deform default", "tvm_deform tuned")
 #: the label of the rows that time the public ``deform_conv2d``, as users call it (argument

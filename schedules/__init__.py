@@ -26,7 +26,7 @@ from tvm_deform.schedules.cpu_backward import BackwardCPU, GradInputCPU
 from tvm_deform.schedules.cuda import OnePassCUDA, SampleOnceCUDA, SplitReductionCUDA
 from tvm_deform.schedules.cuda_backward import BackwardCUDA, GradInputCUDA
 from tvm_deform.schedules.cuda_tensor_core import MIN_ARCH as TENSOR_CORE_MIN_ARCH
-from tvm_deform.schedules.cuda_tensor_core import TensorCoreCUDA
+from tvm_deform.schedules.cuda_tensor_core import SampleOnceTensorCoreCUDA, TensorCoreCUDA
 from tvm_deform.schedules.rule import Rule
 
 from tvm_deform.ir import definition
@@ -45,6 +45,7 @@ RULES: tuple[Rule, ...] = (
     SplitReductionCUDA(),
     OnePassCUDA(),
     TensorCoreCUDA(),
+    SampleOnceTensorCoreCUDA(),
     BackwardCUDA(),
     GradInputCUDA(),
 )
@@ -149,12 +150,12 @@ def forward_schedule(
 def tensor_core_schedule(
     shape: ConvShape, target: Target, layout: str = "NCHW"
 ) -> s_tir.Schedule | None:
-    """``shape``'s forward on tensor cores (:class:`.cuda_tensor_core.TensorCoreCUDA`, on the
-    definition whose sampled columns are rounded to the layer's float16 or bfloat16, which a
-    tensor core multiplies; float32 accumulation), or None where the rule does not take the
-    layer. float32 never runs on tensor cores (no TF32)."""
+    """``shape``'s forward on tensor cores (:class:`.cuda_tensor_core.SampleOnceTensorCoreCUDA`,
+    on the definition whose sampled columns are rounded to the layer's float16 or bfloat16,
+    which a tensor core multiplies; float32 accumulation), or None where the rule does not take
+    the layer. float32 never runs on tensor cores (no TF32)."""
     func = _tensor_core_definition(shape, target, layout)
-    return None if func is None else TensorCoreCUDA().apply(func, target)
+    return None if func is None else SampleOnceTensorCoreCUDA().apply(func, target)
 
 
 def tensor_cores_take(shape: ConvShape, target: Target, layout: str = "NCHW") -> bool:

@@ -478,7 +478,7 @@ class SampleOnceCUDA(SplitReductionCUDA):
             default_chunk,
             lambda c: one_pass or c == default_chunk,
         )
-        self._sampling(sch, choose)
+        self.sampling(sch, choose)
         if one_pass:
             self._gemm(sch, threads, rows, pixel_tile=pixel_tile, chunk=chunk)
             return sch
@@ -517,7 +517,7 @@ class SampleOnceCUDA(SplitReductionCUDA):
         parts = self.choose_parts(sch, threads_o, regs_o, self.blocks_wanted(target))
         return parts, threads_o, regs_o
 
-    def _sampling(self, sch: s_tir.Schedule, choose: Choices) -> None:
+    def sampling(self, sch: s_tir.Schedule, choose: Choices) -> None:
         """The sampling kernel (see the class docstring); ``choose`` answers its sizes."""
         columns = sch.get_sblock("columns")
         geometry = geometry_blocks(sch)

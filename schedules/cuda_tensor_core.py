@@ -40,8 +40,8 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm_deform.schedules.common import GEOMETRY, is_deform_conv, largest_divisor
-from tvm_deform.schedules.cuda import OnePassCUDA
-from tvm_deform.schedules.rule import Rule
+from tvm_deform.schedules.cuda import OnePassCUDA, SampleOnceCUDA
+from tvm_deform.schedules.rule import Choices, Rule
 
 from tvm_deform.ir.definition import PIXEL_QUANTUM
 
@@ -158,7 +158,7 @@ class TensorCoreCUDA(Rule):
             sch.compute_at(fill, k_chunk)
             sch.compute_inline(copy)
             fills.append(fill)
-        sch.compute_inline(sch.get_sblock("columns"))
+        self._columns(sch)
         for fill, along_pixels in zip(fills, (False, True), strict=True):
             outer_loop, inner_loop = sch.get_loops(fill)[-2:]
             if along_pixels:
@@ -193,6 +193,11 @@ class TensorCoreCUDA(Rule):
         sch.tensorize(sch.get_loops(sch.get_child_blocks(init)[0])[-2], intrinsics["init"])
         sch.tensorize(sch.get_loops(inner)[-3], intrinsics["compute"])
 
+    def _columns(self, sch: s_tir.Schedule) -> None:
+        """Place the sampled columns: inlined into the GEMM's fill (sampled straight into
+        shared memory for each chunk)."""
+        sch.compute_inline(sch.get_sblock("columns"))
+
     def _tensorize_2d(self, sch: s_tir.Schedule, block, intrinsic: str) -> None:
         i, j = sch.get_loops(block)[-2:]
         i_outer, i_inner = sch.split(i, [None, FRAGMENT])
@@ -209,6 +214,29 @@ class TensorCoreCUDA(Rule):
         self._bind(sch, thread_x, "threadIdx.x")
 
 
+class SampleOnceTensorCoreCUDA(TensorCoreCUDA):
+    """``TensorCoreCUDA``'s tensor-core GEMM on the sample-once structure: the columns, in the
+    layer's float16 or bfloat16, written once by ``SampleOnceCUDA``'s sampling kernel, and the
+    GEMM's shared-memory fill copying its chunk from them instead of sampling it; the output
+    stage is the third kernel. Not a default rule (no GPU has timed it); the tuning rounds
+    and the GPU session time it. Takes the layers ``TensorCoreCUDA`` takes, at one size."""
+
+    def apply(
+        self, func: tirx.PrimFunc, target: Target, tunable: bool = False
+    ) -> s_tir.Schedule | None:
+        sch = s_tir.Schedule(func)
+        gemm = self._gemm(sch, target)
+        if gemm is None:
+            return None
+        SampleOnceCUDA(emulate=self.emulate).sampling(sch, Choices(sch, False))
+        self._schedule_gemm(sch, gemm)
+        OnePassCUDA(self.emulate).elementwise(sch, sch.get_sblock("output"))
+        return sch
+
+    def _columns(self, sch: s_tir.Schedule) -> None:
+        """The columns stay in global memory, written by the sampling kernel."""
+
+
 class _Gemm:
     """The GEMM of a forward PrimFunc as a tensor-core matrix product: ``rows`` output
     channels, ``cols`` = batch x padded pixels, ``depth`` = input channels x taps."""
@@ -222,6 +250,8 @@ class _Gemm:
         conv = sch.get(sch.get_sblock("conv"))
         weight = next(r.source for r in conv.reads if r.source.name == "weight")
         columns = sch.get(sch.get_sblock("columns")).writes[0].source
+        if not all(isinstance(d, tirx.IntImm) for d in conv.writes[0].source.shape):
+            return None  # a kernel for any size: the fragments' tiling needs the sizes
         batch, out_channels, pixels = (int(d) for d in conv.writes[0].source.shape)
         weight_in, taps = int(weight.shape[1]), int(weight.shape[2])
         dtype = str(weight.dtype)

@@ -17,7 +17,7 @@ from inputs import CONFIGS, make_inputs, shape_of
 from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
 from tvm_deform.schedules.cuda import OnePassCUDA, SampleOnceCUDA, SplitReductionCUDA
-from tvm_deform.schedules.cuda_tensor_core import TensorCoreCUDA
+from tvm_deform.schedules.cuda_tensor_core import SampleOnceTensorCoreCUDA, TensorCoreCUDA
 
 from tvm_deform import deform_conv2d, schedules
 from tvm_deform.binding.ops import run_forward
@@ -412,26 +412,29 @@ TENSOR_CORE_CONFIGS = [
 HALF_TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 
 
+@pytest.mark.parametrize("rule", [TensorCoreCUDA, SampleOnceTensorCoreCUDA])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize(
     "cfg", TENSOR_CORE_CONFIGS, ids=["batch2", "strided", "dcnv1_1x3", "odd_fragments"]
 )
-def test_emulated_tensor_core_schedule_matches_torchvision(cfg, dtype):
-    """The tensor-core schedule's structure (matrix form, fragment tiling, sampling inlined
-    into the shared-memory fill, epilogue), without the bindings and the WMMA instructions, run
-    on the CPU against torchvision on the same rounded inputs, computed in float32."""
+def test_emulated_tensor_core_schedule_matches_torchvision(cfg, dtype, rule):
+    """The tensor-core schedules' structure (matrix form, fragment tiling, the columns
+    sampled into the shared-memory fill or by a sampling kernel of their own, epilogue),
+    without the bindings and the WMMA instructions, run on the CPU against torchvision on the
+    same rounded inputs, computed in float32 and in float64."""
     shape = shape_of(cfg, dtype)
     func = definition.forward(shape, column_dtype=shape.dtype)
-    sch = TensorCoreCUDA(emulate=True).apply(func, targets.host_target())
+    sch = rule(emulate=True).apply(func, targets.host_target())
     assert sch is not None, "the rule must take this layer"
     kernel = tvm.compile(sch.mod, target=targets.host_target())["deform_conv2d"]
     args = make_inputs(cfg, dtype)
     ours = run_forward(
         shape, args["input"], args["offset"], args["weight"], args["bias"], args["mask"], kernel
     )
-    upcast = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     assert ours.dtype == dtype
-    assert_close(ours, torchvision.ops.deform_conv2d(**upcast), HALF_TOLERANCE[dtype])
+    for reference in (torch.float32, torch.float64):
+        upcast = _upcast(args, reference)
+        assert_close(ours, torchvision.ops.deform_conv2d(**upcast), HALF_TOLERANCE[dtype])
 
 
 @pytest.mark.slow
