@@ -417,11 +417,12 @@ class SampleOnceCUDA(SplitReductionCUDA):
 
     The sampled columns are a workspace of the PrimFunc, which TVM's runtime takes from the
     device's workspace allocator (torch's caching allocator, see ``runtime.workspace``).
-    Its spaces sample the register block's rows, and the parts of the split one."""
+    Its two design spaces (one pass, and split into sampled parts) sample every tile size of
+    both kernels."""
 
+    default = True
     #: pixels a thread block of the sampling kernel covers (one thread each)
     sample_pixels = 64
-    default = True
     #: (tap, channel run) pairs per sampling block, beside its pixels
     sample_rows = 4
     #: channels a sampling thread runs through with one geometry, at most
@@ -432,9 +433,9 @@ class SampleOnceCUDA(SplitReductionCUDA):
     ) -> s_tir.Schedule | list[s_tir.Schedule] | None:
         """The default schedule; as a design space, two: the reduction in one pass, and split
         into a sampled number of parts (where the channels can be split)."""
-        if not is_deform_conv(s_tir.Schedule(func)):
-            return None
         sch = s_tir.Schedule(func)
+        if not is_deform_conv(sch):
+            return None
         parts = self._plan(sch, target)[0]
         weight_in = int(sch.get(sch.get_loops(sch.get_sblock("conv"))[3]).extent)
         if not tunable:

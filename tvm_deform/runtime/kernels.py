@@ -277,7 +277,7 @@ def compile_backward(
     cuda = target.kind.name == "cuda"
     if gradients.input:
         # On a GPU each thread's plane is its own: in local memory where its size is known,
-        # else in a scratch buffer of the kernel.
+        # else in a scratch buffer the call passes.
         scope = ("local" if sizes == "static" else "workspace") if cuda else "global"
         func = definition.grad_input(shape, scope, sizes, quantum)
         scatter = schedules.apply_default("grad_input", func, target)
@@ -359,9 +359,9 @@ def any_size(
 ) -> bool:
     """Whether ``shape``'s ``op`` ("forward" or "backward") runs kernels compiled for every
     size of its layer (batch, height and width symbolic), not for its own size: on CPUs, and
-    on GPUs for an NCHW input, unless ``TVM_DEFORM_SIZES=static``, the call's
-    buffers pass 2^31 elements (int32 indices), or this machine's own tuning logs hold records
-    of exactly this shape (``tuned``: a kernel of its size tuned here is faster). Other
+    on GPUs for an NCHW input, unless ``TVM_DEFORM_SIZES=static``, the call's buffers pass
+    2^31 elements (int32 indices), or this machine's own tuning logs hold records of exactly
+    this shape (``tuned``: a kernel of its size tuned here is faster). Other
     machines' records do not count: timing them here at a size's first use takes seconds,
     which a stream of sizes would pay again and again (``TVM_DEFORM_SIZES=static`` times
     them, as before)."""
