@@ -84,13 +84,17 @@ class TensorCoreCUDA(Rule):
         gemm = self._gemm(sch, target)
         if gemm is None:
             return None
-        # The geometry kernels and the epilogue are elementwise, as in the default schedule.
+        self._sampling(sch)
+        self._schedule_gemm(sch, gemm)
+        OnePassCUDA(self.emulate).elementwise(sch, sch.get_sblock("output"))  # the epilogue
+        return sch
+
+    def _sampling(self, sch: s_tir.Schedule) -> None:
+        """The kernels before the GEMM: the geometry's, elementwise (the columns are sampled
+        into the GEMM's fill, see :meth:`_columns`)."""
         elementwise = OnePassCUDA(self.emulate).elementwise
         for name in GEOMETRY:
             elementwise(sch, sch.get_sblock(name))
-        self._schedule_gemm(sch, gemm)
-        elementwise(sch, sch.get_sblock("output"))
-        return sch
 
     def _gemm(self, sch: s_tir.Schedule, target: Target) -> _Gemm | None:
         gemm = _Gemm.of(sch) if is_deform_conv(sch) else None
@@ -218,20 +222,13 @@ class SampleOnceTensorCoreCUDA(TensorCoreCUDA):
     """``TensorCoreCUDA``'s tensor-core GEMM on the sample-once structure: the columns, in the
     layer's float16 or bfloat16, written once by ``SampleOnceCUDA``'s sampling kernel, and the
     GEMM's shared-memory fill copying its chunk from them instead of sampling it; the output
-    stage is the third kernel. Not a default rule (no GPU has timed it); the tuning rounds
-    and the GPU session time it. Takes the layers ``TensorCoreCUDA`` takes, at one size."""
+    stage is the third kernel. Not a default rule (no GPU has timed it); the GPU session
+    times it (``tensor_core_schedule``). Takes the layers ``TensorCoreCUDA`` takes, at one
+    size."""
 
-    def apply(
-        self, func: tirx.PrimFunc, target: Target, tunable: bool = False
-    ) -> s_tir.Schedule | None:
-        sch = s_tir.Schedule(func)
-        gemm = self._gemm(sch, target)
-        if gemm is None:
-            return None
+    def _sampling(self, sch: s_tir.Schedule) -> None:
+        """``SampleOnceCUDA``'s sampling kernel, its default sizes."""
         SampleOnceCUDA(emulate=self.emulate).sampling(sch, Choices(sch, False))
-        self._schedule_gemm(sch, gemm)
-        OnePassCUDA(self.emulate).elementwise(sch, sch.get_sblock("output"))
-        return sch
 
     def _columns(self, sch: s_tir.Schedule) -> None:
         """The columns stay in global memory, written by the sampling kernel."""
