@@ -107,13 +107,6 @@ def any_size_quantum(shape: ConvShape, target: Target, min_pixels: int) -> int:
     return definition.PIXEL_QUANTUM
 
 
-def any_size_pads_inputs(target: Target) -> bool:
-    """Whether the forward for any size on ``target`` takes the offset and mask padded to its
-    quantum (on CPUs, so that its vector loads stay contiguous) or as the call has them (on a
-    GPU, read at a clamped index: no copy, no kernel launch)."""
-    return target.kind.name == "llvm"
-
-
 def _any_size_definition(
     shape: ConvShape, target: Target, layout: str = "NCHW", min_pixels: int = 1
 ) -> tirx.PrimFunc:
@@ -123,7 +116,9 @@ def _any_size_definition(
         pixel_quantum=any_size_quantum(shape, target, min_pixels),
         sizes="symbolic",
         min_pixels=min_pixels,
-        padded_inputs=any_size_pads_inputs(target),
+        # A CPU's tiles copy their offsets and masks to stages read by vector loads; a GPU
+        # thread reads its pixel's at a clamped index.
+        staged_inputs=target.kind.name == "llvm",
     )
 
 

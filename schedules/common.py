@@ -69,18 +69,21 @@ def is_deform_conv(sch: s_tir.Schedule) -> bool:
 
 
 GEOMETRY = ("sample_coef", "sample_cols", "sample_rows")
-#: the stage of a symbolic PrimFunc that holds each pixel's window corner (the geometry reads it)
-PIXEL_BASE = "pixel_base"
+#: the stages of a symbolic PrimFunc that the geometry reads: each pixel's window corner, and
+#: the offset and mask padded to the pixel quantum (``definition.pixel_stage``; not in a GPU's
+#: PrimFunc, which reads them at a clamped index)
+GEOMETRY_INPUTS = ("pixel_base", "offset_pixels", "mask_pixels")
 
 
 def geometry_blocks(sch: s_tir.Schedule) -> list:
     """The geometry stages of the forward in ``sch``, consumers first: the three of
-    ``GEOMETRY``, then, in a symbolic PrimFunc, the pixels' window corners they read."""
+    ``GEOMETRY``, then those of ``GEOMETRY_INPUTS`` that the PrimFunc holds (a symbolic one)."""
     blocks = [sch.get_sblock(name) for name in GEOMETRY]
-    try:
-        blocks.append(sch.get_sblock(PIXEL_BASE))
-    except Exception:  # noqa: BLE001 - a static PrimFunc has no such stage
-        pass
+    for name in GEOMETRY_INPUTS:
+        try:
+            blocks.append(sch.get_sblock(name))
+        except Exception:  # noqa: BLE001 - a static PrimFunc has no such stage
+            pass
     return blocks
 
 

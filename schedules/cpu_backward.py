@@ -210,7 +210,8 @@ def apply_backward_structure(sch: s_tir.Schedule, lanes: int, choices: BackwardC
         _sampling_grad(sch, choices.sampling_tile)
     if _block(sch, "weight_sum") is not None:
         _weight_sum(sch, lanes, choices.weight_block)
-    for name in ("sample_rows", "sample_cols", "sample_coef", "grad_coef", "columns"):
+    stages = ("offset_pixels", "mask_pixels", "grad_output_pixels")  # a symbolic PrimFunc's
+    for name in (*stages, "sample_rows", "sample_cols", "sample_coef", "grad_coef", "columns"):
         block = _block(sch, name)
         if block is not None:
             _elementwise(sch, block, lanes)

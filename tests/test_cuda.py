@@ -230,12 +230,10 @@ def emulated_any_size_kernel(shape: ConvShape, parts: int | None = None):
     """``SampleOnceCUDA``'s kernel for every size of ``shape``'s layer (its pixels padded to
     ``PIXEL_QUANTUM``, the offset and mask read as the call has them), compiled for this CPU
     without the thread bindings, called as the op calls a CUDA kernel for any size."""
-    from tvm_deform.runtime.kernels import AnySizeKernel
-
-    func = definition.forward(shape, sizes="symbolic", padded_inputs=False)
+    func = definition.forward(shape, sizes="symbolic", staged_inputs=False)
     sch = SampleOnceCUDA(parts, emulate=True).apply(func, targets.host_target())
     built = tvm.compile(sch.mod, target=targets.host_target())
-    return AnySizeKernel(built["deform_conv2d"], definition.PIXEL_QUANTUM, padded_inputs=False)
+    return built["deform_conv2d"]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[f"cfg{i}" for i in range(len(CONFIGS))])

@@ -101,6 +101,28 @@ def padded_pixels(pixels, quantum: int = PIXEL_QUANTUM, always: bool = False):
     return -(-pixels // quantum) * quantum
 
 
+def pixel_stage(tensor: te.Tensor, quantum: int, name: str, fill=None) -> te.Tensor:
+    """The stage ``name``: ``tensor`` (``[n, channels, pixels]``, the pixels symbolic) with its
+    pixels padded to a multiple of ``quantum``, the padding holding the last pixel (``fill``
+    None) or ``fill``. A kernel for any size reads the offset, the mask and the output's
+    gradient through such a stage, as the call has them (no copy before the call).
+
+    The test is per block of ``quantum`` pixels: a block inside the map is read as it is, and
+    only the last block clamps each index. Vectorised along a block, the test is one branch
+    (the same for every lane) around a contiguous load; a clamped index in every read made
+    each vector load a gather (measured: up to a fifth of a layer's time)."""
+    batch, channels, pixels = tensor.shape
+
+    def read(n, c, p):
+        inside = (p // quantum + 1) * quantum <= pixels
+        last = tensor[n, c, te.min(p, pixels - 1)]
+        if fill is not None:
+            last = tirx.Select(p < pixels, last, tirx.const(fill, tensor.dtype))
+        return te.if_then_else(inside, tensor[n, c, p], last)
+
+    return te.compute((batch, channels, padded_pixels(pixels, quantum)), read, name=name)
+
+
 def _value(number, dtype: str):
     """``number`` (an int, or a symbolic size) as a ``dtype`` expression."""
     return tirx.const(number, dtype) if isinstance(number, int) else number.astype(dtype)
@@ -230,15 +252,21 @@ class _Sampling:
         offset: te.Tensor,
         mask: te.Tensor | None,
         quantum: int = PIXEL_QUANTUM,
-        padded_inputs: bool = True,
+        staged_inputs: bool = True,
     ):
         self.shape = shape
-        self.padded_inputs = padded_inputs
         self.offset = offset
         self.mask = mask
         self.acc = shape.accumulator_dtype
         self.pixels = shape.out_h * shape.out_w
         self.padded = padded_pixels(self.pixels, quantum)
+        # A symbolic shape's offset and mask come as the call has them: read through stages
+        # padded to the quantum (see :func:`pixel_stage`), or at a clamped index.
+        self.staged = staged_inputs and not isinstance(self.pixels, int)
+        if self.staged:
+            self.offset = pixel_stage(offset, quantum, "offset_pixels")
+            if mask is not None:
+                self.mask = pixel_stage(mask, quantum, "mask_pixels")
         # With a symbolic output width, ``p // out_w`` is an integer division per sample point,
         # which no vector unit has (it made the forward twice as slow): the window's corner of
         # each pixel is computed once, in a stage of its own, and the geometry reads it.
@@ -261,13 +289,9 @@ class _Sampling:
         return te.min(p, self.pixels - 1)
 
     def input_pixel(self, p):
-        """The pixel index the offset and mask are read at. A kernel for any size reads them
-        padded to its quantum by the caller, with the last pixel repeated (see
-        :func:`forward`), so that its vector loads stay contiguous: a clamped index makes every
-        one of them a gather (measured: up to a fifth of a layer's time). Without
-        ``padded_inputs``, a kernel for any size reads them as the call has them, at the
-        clamped index: a GPU thread reads one pixel, and a copy would be a kernel launch more."""
-        return p if self.padded_inputs and not isinstance(self.pixels, int) else self.source(p)
+        """The pixel index the offset and mask are read at: a padding pixel at the last real
+        one, unless they are read through their padded stages (``staged_inputs``)."""
+        return p if self.staged else self.source(p)
 
     def point(self, n, g, k, p, axis):
         """(coordinate, clamped floor, image size) of the sample point along ``axis`` (0: y,
@@ -436,20 +460,10 @@ def _columns(
     return te.compute((shape.batch, shape.in_channels, shape.taps, padded), column, name="columns")
 
 
-def _placeholders(
-    shape: ConvShape,
-    layout: str = "NCHW",
-    quantum: int = PIXEL_QUANTUM,
-    padded_inputs: bool = True,
-):
-    """The input placeholders; a symbolic shape's offset and mask with their pixels padded to
-    ``quantum`` unless not ``padded_inputs`` (see :meth:`_Sampling.input_pixel`)."""
+def _placeholders(shape: ConvShape, layout: str = "NCHW"):
+    """The input placeholders."""
     dtype = shape.dtype
     shapes = shape.buffer_shapes(layout)
-    if padded_inputs and not isinstance(shape.out_w, int):
-        for name in ("offset", "mask") if shape.has_mask else ("offset",):
-            *outer, pixels = shapes[name]
-            shapes[name] = (*outer, padded_pixels(pixels, quantum))
     data = te.placeholder(shapes["data"], dtype, name="data")
     offset = te.placeholder(shapes["offset"], dtype, name="offset")
     mask = te.placeholder(shapes["mask"], dtype, name="mask") if shape.has_mask else None
@@ -467,18 +481,18 @@ def forward_tensors(
     layout: str = "NCHW",
     column_dtype: str | None = None,
     pixel_quantum: int = PIXEL_QUANTUM,
-    padded_inputs: bool = True,
+    staged_inputs: bool = True,
 ) -> list[te.Tensor]:
     """The TE tensors of the forward op: the inputs (the input in ``layout``) followed by the
-    output. ``column_dtype``, ``pixel_quantum`` and ``padded_inputs``: see :func:`forward`."""
+    output. ``column_dtype``, ``pixel_quantum`` and ``staged_inputs``: see :func:`forward`."""
     dtype, acc = shape.dtype, shape.accumulator_dtype
     pixels = shape.out_h * shape.out_w
     padded = padded_pixels(pixels, pixel_quantum)
     weight_in = shape.in_channels // shape.weight_groups
     out_per_group = shape.out_channels // shape.weight_groups
 
-    data, offset, mask, weight, bias = _placeholders(shape, layout, pixel_quantum, padded_inputs)
-    sampling = _Sampling(shape, offset, mask, pixel_quantum, padded_inputs)
+    data, offset, mask, weight, bias = _placeholders(shape, layout)
+    sampling = _Sampling(shape, offset, mask, pixel_quantum, staged_inputs)
     columns = _columns(shape, data, sampling.geometry(select=True), padded, layout, column_dtype)
 
     def column(n, o, rc, rk, p):
@@ -515,7 +529,7 @@ def forward(
     pixel_quantum: int = PIXEL_QUANTUM,
     sizes: str = "static",
     min_pixels: int = 0,
-    padded_inputs: bool = True,
+    staged_inputs: bool = True,
 ) -> tirx.PrimFunc:
     """The forward PrimFunc of ``shape``, unscheduled, named ``deform_conv2d``.
 
@@ -537,11 +551,12 @@ def forward(
     that do not need tiles of up to 64 pixels (``schedules.cpu.apply_split_output_structure``).
 
     ``sizes="symbolic"`` gives the PrimFunc for every size of ``shape``'s layer (batch, height
-    and width as variables), its pixel axis always padded to ``pixel_quantum``; it takes the
-    offset and mask with their pixels padded that way too, the last pixel repeated (the
-    caller's copy when the count is not a multiple), and ``min_pixels`` is what its schedule may
-    assume of the pixel count. With ``padded_inputs=False`` it takes them as the call has them
-    and reads the padding pixels at the last real one (what the CUDA kernels do: no copy).
+    and width as variables), its pixel axis always padded to ``pixel_quantum``, and
+    ``min_pixels`` is what its schedule may assume of the pixel count. It takes the offset and
+    mask as the call has them. With ``staged_inputs`` (the CPU's kernels) it reads them through
+    the stages ``offset_pixels`` and ``mask_pixels``, padded to the quantum (see
+    :func:`pixel_stage`), which a schedule computes per pixel tile; without (the GPU's, one
+    pixel per thread), each read clamps its pixel index.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -549,7 +564,7 @@ def forward(
         raise ValueError(f"sizes must be one of {SIZES}, got {sizes!r}")
     if sizes == "symbolic":
         shape = symbolic(shape)
-    tensors = forward_tensors(shape, layout, column_dtype, pixel_quantum, padded_inputs)
+    tensors = forward_tensors(shape, layout, column_dtype, pixel_quantum, staged_inputs)
     func = _prim_func(tensors, "deform_conv2d")
     if sizes == "symbolic":
         # What a schedule may assume of the sizes it cannot see: the pixel axis is a multiple
@@ -602,14 +617,17 @@ def backward_buffer_shapes(
     the ``gradients`` asked for, their pixels padded to ``quantum`` (always, for the kernels
     for any size: ``any_size``).
 
-    ``grad_output`` is padded to the padded pixel count (with zeros) by the caller; the
+    ``grad_output`` is padded to the padded pixel count (with zeros) by the caller, except for
+    the kernels for any size (and a symbolic ``shape``), which take it as the call has it; the
     ``grad_columns`` and ``sample_*`` buffers are workspaces that the first backward kernel
     writes and the second reads.
     """
     forward_shapes = shape.buffer_shapes()
-    padded = padded_pixels(shape.out_h * shape.out_w, quantum, always=any_size)
+    pixels = shape.out_h * shape.out_w
+    any_size = any_size or not isinstance(pixels, int)
+    padded = padded_pixels(pixels, quantum, always=any_size)
     geometry = (shape.batch, shape.offset_groups, shape.taps)
-    shapes = {"grad_output": (shape.batch, shape.out_channels, padded)}
+    shapes = {"grad_output": (shape.batch, shape.out_channels, pixels if any_size else padded)}
     if gradients.needs_grad_columns:
         shapes["grad_columns"] = (shape.batch, shape.in_channels, shape.taps, padded)
     shapes |= {
@@ -654,20 +672,24 @@ def backward_tensors(
     express; :func:`grad_input` does it from the workspaces this kernel writes.
     """
     shapes = backward_buffer_shapes(shape, gradients, quantum)
-    data, offset, mask, weight, bias = _placeholders(shape, quantum=quantum)
+    data, offset, mask, weight, bias = _placeholders(shape)
     grad_output = te.placeholder(shapes["grad_output"], shape.dtype, name="grad_output")
     sampling = _Sampling(shape, offset, mask, quantum)
     geometry = sampling.geometry()
+    # The gradient of a padding pixel is zero: it adds nothing to the reductions over pixels.
+    gradient = grad_output
+    if sampling.staged:
+        gradient = pixel_stage(grad_output, quantum, "grad_output_pixels", fill=0)
     inputs = [t for t in (data, offset, mask, weight, grad_output) if t is not None]
     outputs = [*geometry]
     if gradients.needs_grad_columns:
-        grad_columns = _grad_columns(shape, weight, grad_output, shapes["grad_columns"])
+        grad_columns = _grad_columns(shape, weight, gradient, shapes["grad_columns"])
         outputs.insert(0, grad_columns)
         if gradients.sampling:
             outputs += _sampling_gradients(shape, data, sampling, geometry, grad_columns)
     if gradients.weight:
         has_bias = bias is not None
-        outputs += _weight_gradients(shape, data, grad_output, geometry, sampling, has_bias)
+        outputs += _weight_gradients(shape, data, gradient, geometry, sampling, has_bias)
     return [*inputs, *outputs]
 
 

@@ -42,18 +42,15 @@ def run_forward(
         kernel = kernels.get_kernel(shape, device_target(input.device), layout=layout)
     if not cuda:
         kernels.configure_threads(torch.get_num_threads())
-    pads = isinstance(kernel, kernels.AnySizeKernel) and kernel.padded_inputs
     pixels = shape.out_h * shape.out_w
-    # A kernel for any size on a CPU reads the offset and mask padded to its quantum.
-    padded = definition.padded_pixels(pixels, kernel.quantum, always=True) if pads else pixels
     # .contiguous() returns the tensor itself when it already is; the views below are free, so a
     # contiguous tensor reaches the kernel without a copy (TVM reads torch memory via DLPack).
     args = [
         input.permute(0, 2, 3, 1) if nhwc else input.contiguous(),
-        _pad_pixels(offset.contiguous().view(shape.batch, -1, pixels), padded),
+        offset.contiguous().view(shape.batch, -1, pixels),
     ]
     if mask is not None:
-        args.append(_pad_pixels(mask.contiguous().view(shape.batch, -1, pixels), padded))
+        args.append(mask.contiguous().view(shape.batch, -1, pixels))
     args.append(weight.contiguous().view(shape.out_channels, -1, shape.taps))
     if bias is not None:
         args.append(bias.contiguous())
@@ -64,15 +61,6 @@ def run_forward(
     else:
         kernel(*args)
     return output
-
-
-def _pad_pixels(tensor: torch.Tensor, pixels: int) -> torch.Tensor:
-    """``tensor`` (``[batch, channels, pixels]``) with ``pixels`` pixels, the last one repeated
-    (a copy only when it has fewer)."""
-    missing = pixels - tensor.shape[-1]
-    if missing == 0:
-        return tensor
-    return torch.nn.functional.pad(tensor, (0, missing), mode="replicate")
 
 
 def is_channels_last(input: torch.Tensor) -> bool:
@@ -187,7 +175,8 @@ def _run_backward_kernels(
     grad_output = grad_output.contiguous().view(shape.batch, shape.out_channels, pixels)
     padded = shapes["grad_output"][-1]
     if padded != pixels:
-        # Zero gradient on the padding pixels: they add nothing to the reductions.
+        # Zero gradient on the padding pixels: they add nothing to the reductions. (Kernels
+        # for any size pad it themselves.)
         grad_output = torch.nn.functional.pad(grad_output, (0, padded - pixels))
     acc = _TORCH_DTYPES[shape.accumulator_dtype]
     workspaces = [
@@ -197,14 +186,9 @@ def _run_backward_kernels(
     ]
     if gradients.needs_grad_columns:
         workspaces.insert(0, input.new_empty(shapes["grad_columns"], dtype=acc))
-    # Kernels for any size read the offset and mask padded like their workspaces.
-    inputs = padded if compiled.any_size else pixels
-    args = [
-        input.contiguous(),
-        _pad_pixels(offset.contiguous().view(shape.batch, -1, pixels), inputs),
-    ]
+    args = [input.contiguous(), offset.contiguous().view(shape.batch, -1, pixels)]
     if mask is not None:
-        args.append(_pad_pixels(mask.contiguous().view(shape.batch, -1, pixels), inputs))
+        args.append(mask.contiguous().view(shape.batch, -1, pixels))
     args += [weight.contiguous().view(shape.out_channels, -1, shape.taps), grad_output]
     args += workspaces
     if grad_offset is not None:

@@ -51,21 +51,6 @@ Kernel = Callable[..., None]
 log = logging.getLogger(__name__)
 
 
-class AnySizeKernel(NamedTuple):
-    """A forward kernel for every size of its layer (see :func:`any_size`), called like any
-    other; on CPUs with its offset and mask padded along the pixels to ``quantum`` by repeating
-    the last one (``padded_inputs``; see :func:`tvm_deform.ir.definition.forward`)."""
-
-    function: Kernel
-    #: the multiple the kernel's pixel axis is padded to
-    quantum: int
-    #: whether it takes the offset and mask padded to ``quantum`` (else as the call has them)
-    padded_inputs: bool = True
-
-    def __call__(self, *args) -> None:
-        self.function(*args)
-
-
 class BackwardKernels(NamedTuple):
     """The two compiled backward kernels of one shape, run in this order."""
 
@@ -423,9 +408,7 @@ def _any_size_class(layer: ConvShape, target: Target, layout: str, min_pixels: i
             ),
             _describe(layer, target, op, "default"),
         )
-        quantum = schedules.any_size_quantum(layer, target, min_pixels)
-        padded = schedules.any_size_pads_inputs(target)
-        return AnySizeKernel(module["deform_conv2d"], quantum, padded)
+        return module["deform_conv2d"]
 
     return _memoised(("forward", layer, layout, min_pixels, _target_text(target)), load)
 
