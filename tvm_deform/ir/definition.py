@@ -840,7 +840,10 @@ def backward(
     for).
 
     ``sizes="symbolic"``: batch, height and width as variables (a kernel for every size), its
-    pixels padded to a multiple of ``pixel_quantum`` always, as for :func:`forward`.
+    pixels padded to a multiple of ``pixel_quantum`` always, as for :func:`forward`. It takes
+    the offset, the mask and the output's gradient as the call has them and pads them in the
+    stages ``offset_pixels``, ``mask_pixels`` and ``grad_output_pixels`` (see
+    :func:`pixel_stage`; the gradient's padding is zero).
     """
     if sizes == "symbolic":
         shape = symbolic(shape)
