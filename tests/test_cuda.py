@@ -452,12 +452,13 @@ def test_tensor_core_rule_takes_half_layers_and_leaves_the_rest():
         sch = schedules.tensor_core_schedule(shape, target)
         scheduled = sch is not None and "wmma" in sch.mod.script()
         assert schedules.tensor_cores_take(shape, target) == scheduled
-        # Not the default: the default schedule computes on the CUDA cores.
-        assert "wmma" not in schedules.forward_schedule(shape, target).mod.script()
         return scheduled
 
     for dtype in ("float16", "bfloat16"):
-        assert on_tensor_cores(dataclasses.replace(demo, dtype=dtype), sm_90)
+        half = dataclasses.replace(demo, dtype=dtype)
+        assert on_tensor_cores(half, sm_90)
+        # Not the default: the default schedule computes on the CUDA cores.
+        assert "wmma" not in schedules.forward_schedule(half, sm_90).mod.script()
         # grouped, and a reduction (3 channels x 9 taps) that is not a multiple of 16
         assert not on_tensor_cores(
             dataclasses.replace(SUITE["depthwise_128x56x56"], dtype=dtype), sm_90
@@ -655,12 +656,13 @@ def test_emulated_cuda_backward_matches_torchvision(cfg):
             assert_close(value, theirs[name], 2e-5, f"grad_{name}")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_emulated_cuda_backward_for_any_size_matches_torchvision(dtype):
     """The CUDA backward kernels for any size (the input's planes in a scratch buffer the call
     passes), without the thread bindings, run on the CPU at sizes no suite names: every
     gradient against torchvision's in float64 on the same (upcast) inputs, in float32 also
-    against torchvision's own, and the same bits twice."""
+    against torchvision's own, and the same bits twice. Of the half types, bfloat16 only:
+    float16 goes through the same casts (the CPU's backward tests both)."""
     from tvm_deform.schedules.cuda_backward import BackwardCUDA, GradInputCUDA
 
     from tvm_deform.binding.ops import run_backward
