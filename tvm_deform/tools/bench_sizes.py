@@ -4,7 +4,8 @@ against torch + torchvision, from a cold kernel cache and from a warm one.
 
 Each run is a process of its own (``import`` is not counted): it builds the model, then for
 each image times the first forward at that size and then the median of a few more at the same
-size (the warm time). A new size's overhead is the first forward over the warm one. The cold
+size (the warm time). A new size's overhead is the first forward over the warm one, counted
+after the first image (whose overhead, a new process's first forward, is shown apart). The cold
 run starts from an empty kernel cache (``TVM_DEFORM_CACHE_DIR``, nothing prebuilt); the warm
 run is a new process on the cache the cold run left.
 """
@@ -113,17 +114,20 @@ def run(progress=print) -> dict[str, list[dict[str, float]]]:
 
 def summary(streams: dict[str, list[dict[str, float]]]) -> list[dict[str, object]]:
     """Per stream: the stream's total time (first forwards only, as a detector meets them),
-    the time to the first image's result, and a new size's overhead over the warm forward
-    (median and worst, over the images whose size is new to the stream)."""
+    the time to the first image's result and that image's overhead over its warm forward (a
+    new process's first forward: kernels compiled or loaded), and a new size's overhead over
+    the warm forward after the first image (median and worst, over the images whose size is
+    new to the stream)."""
     records = []
     for label, rows in streams.items():
-        seen: set[tuple[int, int]] = set()
+        seen = {(rows[0]["height"], rows[0]["width"])}
         overheads = []
-        for row in rows:
+        for row in rows[1:]:
             size = (row["height"], row["width"])
             if size not in seen:
                 overheads.append(row["first_ms"] / row["warm_ms"] - 1)
                 seen.add(size)
+        first = rows[0]["first_ms"] / rows[0]["warm_ms"] - 1
         records.append(
             {
                 "stream": label,
@@ -131,12 +135,17 @@ def summary(streams: dict[str, list[dict[str, float]]]) -> list[dict[str, object
                 "new sizes": len(seen),
                 "total s": sum(r["first_ms"] for r in rows) / 1e3,
                 "first image s": rows[0]["since_start_ms"] / 1e3,
+                "first image overhead": f"{100 * first:+.0f}%",
                 "warm forward ms (median)": statistics.median(r["warm_ms"] for r in rows),
-                "new size overhead (median)": f"{100 * statistics.median(overheads):+.0f}%",
-                "new size overhead (worst)": f"{100 * max(overheads):+.0f}%",
+                "new size overhead (median)": _percent(overheads, statistics.median),
+                "new size overhead (worst)": _percent(overheads, max),
             }
         )
     return records
+
+
+def _percent(overheads: list[float], statistic) -> str:
+    return f"{100 * statistic(overheads):+.0f}%" if overheads else "-"
 
 
 def per_image(streams: dict[str, list[dict[str, float]]]) -> list[dict[str, object]]:
