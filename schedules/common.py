@@ -93,9 +93,11 @@ def parallel_tiles(sch: s_tir.Schedule, batch, tiles, images_inside: bool = Fals
     tile count is symbolic (a kernel for any size), the tiles run in parallel under a serial
     batch loop; or, with ``images_inside``, the (tile, image) pairs in one parallel loop, images
     fastest, so that a map of one tile still spreads its batch over the threads (the 5x5
-    ``seed`` layer's forward: 5.8 against 8.8 us a call at batch 2). That loop divides by the
-    batch size to find its tile and image, which cost the larger layers 1-3%: the
-    forward takes it, the backward does not. TVM cannot prove a symbolic extent positive: a
+    ``seed`` layer's forward kernel: 5.8 against 8.8 us a call at batch 2, on a 2-core Intel
+    Xeon ``emeraldrapids``). That loop divides by the batch size to find its tile and image in
+    its indices, which cost the larger layers 1-3% on the same CPU: the forward takes it, the
+    backward (whose training step measured slower with it) does not. TVM cannot prove a
+    symbolic extent positive: a
     loop fused with one divides by it in every index, and the stores of a tile are tested at
     run time (vectorised ones scalarised)."""
     if isinstance(sch.get(tiles).extent, tirx.IntImm):
