@@ -39,7 +39,12 @@ from __future__ import annotations
 
 from tvm import s_tir, tirx
 from tvm.target import Target
-from tvm_deform.schedules.common import GEOMETRY, is_deform_conv, largest_divisor
+from tvm_deform.schedules.common import (
+    GEOMETRY,
+    is_deform_conv,
+    largest_divisor,
+    tensor_intrinsics,
+)
 from tvm_deform.schedules.cuda import OnePassCUDA, SampleOnceCUDA
 from tvm_deform.schedules.rule import Choices, Rule
 
@@ -279,7 +284,7 @@ def wmma_intrinsics(dtype: str) -> dict[str, str]:
     accumulators: fragments loaded from static shared memory and stored to dynamic shared
     memory, B transposed (``[pixel, reduction]``). TVM registers the float16 ones; the bfloat16
     ones are registered here from TVM's own generators, on first use."""
-    from tvm.s_tir.tensor_intrin import cuda
+    cuda = tensor_intrinsics().cuda
 
     if dtype == "float16":
         return cuda.get_wmma_intrin_group(

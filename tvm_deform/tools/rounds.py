@@ -24,14 +24,11 @@ So a round of tuning is split in three steps, each a command:
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import json
 import os
 import re
-import sys
 import time
-import types
 import warnings
 from pathlib import Path
 
@@ -45,6 +42,7 @@ from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import targets
 from tvm_deform.runtime.kernels import compile_schedule
 from tvm_deform.runtime.records import workload_module
+from tvm_deform.schedules.common import tensor_intrinsics
 from tvm_deform.tools import cuda_build
 from tvm_deform.tools.tuning import RuleSpaces, database
 
@@ -153,25 +151,8 @@ def _model_path(work_dir: Path, target: Target) -> Path:
 
 
 def _context(shape: ConvShape, target: Target, seed: int) -> ms.TuneContext:
-    with _intrinsics_imported_on_demand(shape):
-        return _new_context(shape, target, seed)
-
-
-@contextlib.contextmanager
-def _intrinsics_imported_on_demand(shape: ConvShape):
-    """``TuneContext`` imports every tensor intrinsic library TVM has (``tvm.s_tir.
-    tensor_intrin``: 35 s here, more than a round's search) whether the space uses them or
-    not. A float32 or float64 layer's spaces use none: while its context is made, that import
-    finds a placeholder module, which is removed afterwards."""
-    name = "tvm.s_tir.tensor_intrin"
-    if shape.dtype not in ("float32", "float64") or name in sys.modules:
-        yield
-        return
-    sys.modules[name] = types.ModuleType(name)
-    try:
-        yield
-    finally:
-        del sys.modules[name]
+    tensor_intrinsics()  # which TuneContext imports: at its fast path here
+    return _new_context(shape, target, seed)
 
 
 def _new_context(shape: ConvShape, target: Target, seed: int) -> ms.TuneContext:

@@ -60,7 +60,7 @@ from tvm_deform.runtime.records import (
     workload_module,
 )
 from tvm_deform.schedules import design_spaces
-from tvm_deform.schedules.common import vector_bytes
+from tvm_deform.schedules.common import tensor_intrinsics, vector_bytes
 from tvm_deform.tools.fleet import Fleet
 
 #: design spaces: name -> how MetaSchedule generates it
@@ -160,6 +160,7 @@ def _tune_task(
     target = Target(json.loads(target_json))
     mod = workload_module(shape, op)
     db = database(Path(directory))
+    tensor_intrinsics()  # which tune_tir imports: at its fast path here
     per_iter = min(16, trials)
     ms.tune_tir(
         mod,
