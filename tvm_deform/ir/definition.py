@@ -900,12 +900,19 @@ def grad_input(
         # its four corners in a fixed order, the plane cast into the input's gradient.
         for y, x in T.grid(h_, w_):
             plane[y, x] = T.cast(0, acc)
+        # The corner's indices are written out, not named: TVMScript makes a name assigned in a
+        # loop a one-element buffer, which a CPU kernel allocates per plane and reloads after
+        # every store into the plane.
         for k, p in T.grid(taps, pixels):
             for q in T.unroll(4):
-                row = rows[image, channel // per_group, k, q // 2, p]
-                col = cols[image, channel // per_group, k, q % 2, p]
-                plane[row, col] = (
-                    plane[row, col]
+                plane[
+                    rows[image, channel // per_group, k, q // 2, p],
+                    cols[image, channel // per_group, k, q % 2, p],
+                ] = (
+                    plane[
+                        rows[image, channel // per_group, k, q // 2, p],
+                        cols[image, channel // per_group, k, q % 2, p],
+                    ]
                     + coefs[image, channel // per_group, k, q, p] * gradient[image, channel, k, p]
                 )
         for y, x in T.grid(h_, w_):
