@@ -18,7 +18,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from tvm_deform import deform_conv2d
 from tvm_deform.ir.definition import ConvShape
-from tvm_deform.runtime import dispatch, kernels, records, targets
+from tvm_deform.runtime import calls, dispatch, kernels, records, targets
 from tvm_deform.runtime.inputs import conv_kwargs, random_inputs
 from tvm_deform.tools.merge import merge_logs
 from tvm_deform.tools.suite import load_suite
@@ -278,28 +278,47 @@ def test_every_shipped_record_matches_a_suite_workload(directory):
 
 
 def test_shipped_records_give_correct_kernels():
-    """Every suite workload that resolves to a shipped record for this machine is correct."""
+    """Every shipped record that a suite workload may run with on this machine (its own logs'
+    choice, or each compatible machine's best, which the first use times against the default)
+    gives a kernel that matches torchvision, forward and backward."""
     target = targets.host_target()
-    resolved = {
-        name: shape
-        for name, shape in load_suite().items()
-        if kernels.resolve(shape, target) is not None
-    }
-    if not resolved:
-        pytest.skip(f"no shipped tuning logs for {targets.hardware_key(target)}")
+    checked = 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for shape in load_suite().values():
-            if kernels.resolve(shape, target, op="backward") is not None:
-                check_gradients_against_torchvision(shape)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for name, shape in resolved.items():
+        for name, shape in load_suite().items():
             inputs = random_inputs(shape)
-            args = (inputs["input"], inputs["offset"], inputs["weight"], inputs["bias"])
-            kwargs = conv_kwargs(shape) | dict(mask=inputs["mask"])
-            ours = deform_conv2d(*args, **kwargs)
-            assert_close(ours, torchvision.ops.deform_conv2d(*args, **kwargs), 2e-6, name)
+            x, offset, weight, bias, mask = (
+                inputs[k] for k in ("input", "offset", "weight", "bias", "mask")
+            )
+            kwargs = conv_kwargs(shape) | dict(mask=mask)
+            expected = torchvision.ops.deform_conv2d(x, offset, weight, bias, **kwargs)
+            for record in filter(None, kernels.candidates(shape, target)):
+                kernel = kernels.load_kernel(shape, target, record)
+                ours = calls.run_forward(shape, x, offset, weight, bias, mask, kernel)
+                assert_close(ours, expected, 2e-6, f"{name} with {record.hardware_key}")
+                checked += 1
+            backward = [r for r in kernels.candidates(shape, target, "backward") if r]
+            if backward:
+                check_backward_records(shape, target, backward)
+                checked += len(backward)
+    if not checked:
+        pytest.skip(f"no shipped tuning logs for {targets.hardware_key(target)}")
+
+
+def check_backward_records(shape: ConvShape, target, backward: list[records.TunedRecord]) -> None:
+    inputs = random_inputs(shape)
+    names = ("input", "offset", "mask", "weight", "bias")
+    leaves = {k: inputs[k].clone().requires_grad_() for k in names if inputs[k] is not None}
+    out = torchvision.ops.deform_conv2d(**(inputs | leaves), **conv_kwargs(shape))
+    grad_output = torch.randn_like(out)
+    expected = dict(zip(leaves, torch.autograd.grad(out, list(leaves.values()), grad_output)))
+    x, offset, weight, mask = (inputs[k] for k in ("input", "offset", "weight", "mask"))
+    for record in backward:
+        compiled = kernels.load_backward(shape, target, record)
+        ours = calls.run_backward(shape, grad_output, x, offset, weight, mask, compiled)
+        for key, grad in zip(names, ours, strict=True):
+            if key in expected:
+                assert_close(grad, expected[key], 2e-5, f"grad_{key} with {record.hardware_key}")
 
 
 def test_suite_has_the_layers_users_run():
