@@ -311,7 +311,8 @@ def check_backward_records(shape: ConvShape, target, backward: list[records.Tune
     leaves = {k: inputs[k].clone().requires_grad_() for k in names if inputs[k] is not None}
     out = torchvision.ops.deform_conv2d(**(inputs | leaves), **conv_kwargs(shape))
     grad_output = torch.randn_like(out)
-    expected = dict(zip(leaves, torch.autograd.grad(out, list(leaves.values()), grad_output)))
+    grads = torch.autograd.grad(out, list(leaves.values()), grad_output)
+    expected = dict(zip(leaves, grads, strict=True))
     x, offset, weight, mask = (inputs[k] for k in ("input", "offset", "weight", "mask"))
     for record in backward:
         compiled = kernels.load_backward(shape, target, record)
