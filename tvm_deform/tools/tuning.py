@@ -337,7 +337,8 @@ def tune(
 
     Before the search, one batch measures on this machine, with the tuning's own builder and
     runner: with ``measure_default``, each kernel's default schedule (into the ``default``
-    database, so that dispatch uses a tuned record only where it beat the default); with
+    database, so that dispatch uses a tuned record only where it beat the default; not again
+    where the work directory holds a time of the same default schedule); with
     ``transfer``, where the work directory has no record of a kernel in a space yet, the best
     record of that space in the logs of this hardware key and of each compatible one (other
     machines'), into that space's database. The search then starts from them, and its result
@@ -486,8 +487,9 @@ def _first_measurements(
         shape = workloads[name]
         if not spaces_for(target, op):
             continue
-        if measure_default:
-            batch.append((name, shape, op, str(work_dir / key / DEFAULT_SPACE), None))
+        default_dir = work_dir / key / DEFAULT_SPACE
+        if measure_default and not _default_measured(default_dir, shape, target, op):
+            batch.append((name, shape, op, str(default_dir), None))
         if not transfer:
             continue
         mod = workload_module(shape, op)
@@ -502,6 +504,13 @@ def _first_measurements(
                     if best_in(source, mod) is not None:
                         batch.append((name, shape, op, str(work_dir / key / space), str(source)))
     return batch
+
+
+def _default_measured(directory: Path, shape: ConvShape, target: Target, op: str) -> bool:
+    """Whether the database at ``directory`` holds a time of ``shape``'s ``op``'s default
+    schedule as it is now (a resumed run measures it again only if it has changed)."""
+    trace = str(kernels.default_schedule(shape, target, op).trace)
+    return any(str(r.trace) == trace for r in records(directory, shape, op))
 
 
 def _run_in_child(
