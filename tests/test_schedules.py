@@ -5,6 +5,9 @@ the default picks."""
 
 from __future__ import annotations
 
+import inspect
+import sys
+
 import pytest
 import torch
 import torchvision.ops
@@ -13,6 +16,7 @@ from conftest import assert_close
 from inputs import CONFIGS, DEPTHWISE_CONFIGS, WIDE_CONFIGS, make_inputs, shape_of
 from tvm import s_tir
 from tvm_deform.schedules import apply_default, design_spaces
+from tvm_deform.schedules.common import _pseudo_files_have_no_module, tensor_intrinsics
 from tvm_deform.schedules.cpu import (
     TRANSPOSE_BLOCK,
     Layer,
@@ -273,3 +277,22 @@ def test_the_space_is_wider_than_the_default():
     assert rule.apply(func, target) is None
     assert rule.apply(func, target, tunable=True) is not None
     assert any("weight_global" in blocks(s) for s in design_spaces("forward", func, target))
+
+
+def test_tensor_intrinsics_are_registered_and_inspect_is_restored():
+    getmodule = inspect.getmodule
+    intrinsics = tensor_intrinsics()
+    assert inspect.getmodule is getmodule
+    assert s_tir.TensorIntrin.get(intrinsics.cuda.WMMA_FILL_16x16x16_F32_INTRIN) is not None
+
+
+def test_frames_of_pseudo_files_keep_their_answer_from_inspect():
+    # While the intrinsics import, inspect answers a frame of a pseudo-file (an import's, or
+    # code compiled from an AST) at once; the answer is the one it gives after its scan.
+    frame = eval(compile("sys._getframe()", "<ast>", "eval"), {"sys": sys})
+    function = eval(compile("lambda: None", "<ast>", "eval"))
+    expected = [inspect.getmodule(frame, "<ast>"), inspect.getmodule(function, "<ast>")]
+    with _pseudo_files_have_no_module():
+        assert inspect.getmodule(frame, "<ast>") is expected[0] is None
+        assert inspect.getmodule(function, "<ast>") is expected[1] is sys.modules[__name__]
+        assert inspect.getmodule(test_the_space_is_wider_than_the_default) is sys.modules[__name__]
