@@ -113,10 +113,12 @@ def build_candidate(mod: tvm.IRModule, target: Target, _params: dict | None) -> 
     """MetaSchedule's default build, less its import of every TensorIR intrinsic library
     (``tvm.s_tir.tensor_intrin``: over 30 s, paid by each builder worker at every batch, since
     the builder starts new workers each time). A candidate arrives scheduled, tensorized or
-    not, so lowering it needs none of them."""
+    not, so lowering it needs none of them. It is compiled as the op compiles its kernels
+    (:func:`~tvm_deform.runtime.targets.codegen_target`)."""
     from tvm.driver import build
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 
+    target = targets.codegen_target(target)
     return build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
 
 
