@@ -151,7 +151,7 @@ def _model_path(work_dir: Path, target: Target) -> Path:
 
 
 def _context(shape: ConvShape, target: Target, seed: int) -> ms.TuneContext:
-    tensor_intrinsics()  # which TuneContext imports: at its fast path here
+    tensor_intrinsics()  # TuneContext imports them too: here the fast way first
     return _new_context(shape, target, seed)
 
 

@@ -162,7 +162,7 @@ def _tune_task(
     target = Target(json.loads(target_json))
     mod = workload_module(shape, op)
     db = database(Path(directory))
-    tensor_intrinsics()  # which tune_tir imports: at its fast path here
+    tensor_intrinsics()  # tune_tir imports them too: here the fast way first
     per_iter = min(16, trials)
     ms.tune_tir(
         mod,
