@@ -3,49 +3,27 @@ recognise the forward PrimFunc of :mod:`tvm_deform.ir.definition`."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
-import inspect
 import sys
 import types
 
 from tvm import s_tir, tirx
 from tvm.target import Target, codegen
 
+from tvm_deform.ir.script import pseudo_frames_answered_at_once
+
 
 def tensor_intrinsics() -> types.ModuleType:
     """TVM's tensor intrinsic libraries (``tvm.s_tir.tensor_intrin``), imported: importing them
     registers the intrinsics that tensorizing schedules name, and MetaSchedule's ``TuneContext``
-    imports them whatever its space.
-
-    Each of their few hundred TVMScript functions calls ``inspect.stack()``, whose
-    ``inspect.getmodule`` scans every loaded module for each frame of a pseudo-file (an import's
-    ``<frozen importlib._bootstrap>``, code compiled from an AST, ``<ast>``) before it answers
-    that no module has that file: 25-35 s of the import with TVM and torch loaded. While they
-    are imported, such a frame gets that answer (None) at once: 3 s."""
+    imports them whatever its space. Here they import in about 3 s, not 25-35 s (see
+    :mod:`tvm_deform.ir.script`)."""
     name = "tvm.s_tir.tensor_intrin"
     if name in sys.modules:
         return sys.modules[name]
-    with _pseudo_files_have_no_module():
+    with pseudo_frames_answered_at_once():
         return importlib.import_module(name)
-
-
-@contextlib.contextmanager
-def _pseudo_files_have_no_module():
-    original = inspect.getmodule
-
-    def getmodule(obj, _filename=None):
-        pseudo = _filename is not None and _filename.startswith("<") and _filename.endswith(">")
-        if pseudo and isinstance(obj, types.FrameType):
-            return None
-        return original(obj, _filename)
-
-    inspect.getmodule = getmodule
-    try:
-        yield
-    finally:
-        inspect.getmodule = original
 
 
 @functools.lru_cache(maxsize=64)  # per target object: asking LLVM takes 0.2 ms

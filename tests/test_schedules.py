@@ -16,7 +16,7 @@ from conftest import assert_close
 from inputs import CONFIGS, DEPTHWISE_CONFIGS, WIDE_CONFIGS, make_inputs, shape_of
 from tvm import s_tir
 from tvm_deform.schedules import apply_default, design_spaces
-from tvm_deform.schedules.common import _pseudo_files_have_no_module, tensor_intrinsics
+from tvm_deform.schedules.common import tensor_intrinsics
 from tvm_deform.schedules.cpu import (
     TRANSPOSE_BLOCK,
     Layer,
@@ -32,6 +32,7 @@ from tvm_deform import schedules
 from tvm_deform.binding.ops import run_forward
 from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape
+from tvm_deform.ir.script import pseudo_frames_answered_at_once
 from tvm_deform.runtime import targets
 from tvm_deform.tools.suite import load_suite
 
@@ -287,12 +288,16 @@ def test_tensor_intrinsics_are_registered_and_inspect_is_restored():
 
 
 def test_frames_of_pseudo_files_keep_their_answer_from_inspect():
-    # While the intrinsics import, inspect answers a frame of a pseudo-file (an import's, or
-    # code compiled from an AST) at once; the answer is the one it gives after its scan.
+    # While TVMScript parses, inspect answers a frame of a pseudo-file (an import's, or code
+    # compiled from an AST) at once; the answer is the one it gives after its scan.
     frame = eval(compile("sys._getframe()", "<ast>", "eval"), {"sys": sys})
     function = eval(compile("lambda: None", "<ast>", "eval"))
     expected = [inspect.getmodule(frame, "<ast>"), inspect.getmodule(function, "<ast>")]
-    with _pseudo_files_have_no_module():
-        assert inspect.getmodule(frame, "<ast>") is expected[0] is None
+    getmodule = inspect.getmodule
+    with pseudo_frames_answered_at_once():
+        with pseudo_frames_answered_at_once():  # nested (or on another thread): one patch
+            assert inspect.getmodule(frame, "<ast>") is expected[0] is None
+        assert inspect.getmodule is not getmodule
         assert inspect.getmodule(function, "<ast>") is expected[1] is sys.modules[__name__]
         assert inspect.getmodule(test_the_space_is_wider_than_the_default) is sys.modules[__name__]
+    assert inspect.getmodule is getmodule
