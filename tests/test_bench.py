@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import torch
 
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.tools.bench import compare_layer, measure, relative_error
@@ -76,22 +79,48 @@ def test_info_names_compatible_logs_newer_than_the_own(tmp_path, monkeypatch, ca
     assert other in hint.split(":")[0]  # the shipped logs of other keys may be named beside it
 
 
+def test_the_size_stream_times_the_dcn_calls_apart():
+    from torch import nn
+
+    from tvm_deform.tools import bench_sizes
+    from tvm_deform.tools.bench_model import DCNv2
+
+    model = nn.Sequential(DCNv2(nn.Conv2d(4, 4, 3, padding=1), "tvm_deform"), nn.ReLU())
+    x = torch.rand(1, 4, 7, 9)
+    with torch.inference_mode():
+        expected = model(x)
+        spent = bench_sizes._time_deform_calls(model)
+        assert spent == [0.0]
+        start = time.perf_counter()
+        out = model(x)
+        whole = time.perf_counter() - start
+    assert torch.equal(out, expected)
+    assert 0 < spent[0] <= whole
+
+
 def test_the_size_stream_is_detection_like_and_summarised_from_its_data():
     from tvm_deform.tools import bench_sizes
 
     sizes = bench_sizes.stream_sizes()
     assert len(sizes) == 20 and all(h % 32 == 0 and w % 32 == 0 for h, w in sizes)
     assert all(min(h, w) == bench_sizes.SHORT_SIDE for h, w in sizes)
+    times = ("first_ms", "warm_ms", "first_deform_ms", "warm_deform_ms", "since_start_ms")
     rows = [
-        {"height": 320, "width": 448, "first_ms": 300.0, "warm_ms": 100.0, "since_start_ms": 500.0},
-        {"height": 320, "width": 448, "first_ms": 100.0, "warm_ms": 100.0, "since_start_ms": 900.0},
-        {"height": 480, "width": 320, "first_ms": 110.0, "warm_ms": 100.0, "since_start_ms": 1e3},
+        {"height": h, "width": w} | dict(zip(times, values, strict=True))
+        for h, w, values in (
+            (320, 448, (300.0, 100.0, 230.0, 30.0, 500.0)),
+            (320, 448, (100.0, 100.0, 30.0, 30.0, 900.0)),
+            (480, 320, (110.0, 100.0, 32.0, 30.0, 1e3)),
+        )
     ]
     (record,) = bench_sizes.summary({"ours": rows})
     assert record["new sizes"] == 2 and record["total s"] == pytest.approx(0.51)
     assert record["first image s"] == 0.5 and record["first image overhead"] == "+200%"
-    # after the first image: one new size, +10% (the repeated 320x448 is not new)
+    # after the first image: one new size, +10% (the repeated 320x448 is not new), of which
+    # 2 ms of the warm forward's 100 in the DCN calls
     assert record["new size overhead (median)"] == "+10%"
     assert record["new size overhead (worst)"] == "+10%"
+    assert record["of it in the DCN calls (median)"] == "+2%"
+    assert record["of it in the DCN calls (worst)"] == "+2%"
     (first, *_) = bench_sizes.per_image({"ours": rows})
     assert first["size"] == "320x448" and first["ours first ms"] == 300.0
