@@ -1,6 +1,6 @@
 """Kernels for any size against kernels for one size, through the public op: per suite layer,
 the forward and a training step (forward + backward), interleaved in one process
-(``TVM_DEFORM_SIZES`` switched between calls), in five runs; default schedules on both sides
+(``TVM_DEFORM_SIZES`` switched between calls), in seven runs; default schedules on both sides
 (``TVM_DEFORM_TUNED=0``), so that what is measured is the cost of the generality.
 
     .venv/bin/python lab/any_size.py > docs/results/<cpu>/any-size.md
@@ -23,7 +23,7 @@ from tvm_deform.runtime import targets  # noqa: E402
 from tvm_deform.runtime.inputs import conv_kwargs, random_inputs  # noqa: E402
 from tvm_deform.tools.suite import load_suite  # noqa: E402
 
-RUNS = 5
+RUNS = 7
 
 
 def timed(call, seconds: float = 0.2) -> float:

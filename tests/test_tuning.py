@@ -24,6 +24,7 @@ from tvm_deform.tools.merge import merge_logs
 from tvm_deform.tools.suite import load_suite
 from tvm_deform.tools.tuning import (
     KEEP_PER_WORKLOAD,
+    SIZES_NOTE,
     convergence_table,
     count_records,
     trial_history,
@@ -93,6 +94,7 @@ def test_smoke_tune_runs_and_resumes(tuned):
     key = targets.hardware_key(targets.host_target())
     manifest = json.loads((out / key / "manifest.json").read_text())
     assert manifest["tvm_version"] == tvm.__version__
+    assert manifest["sizes"] == SIZES_NOTE  # what the records serve: their exact shapes
     assert manifest["workloads"]["tiny"]["handwritten"]["trials"] == second.trials
     pruned = count_records(out / key / "handwritten", TINY)
     assert 1 <= pruned <= 3

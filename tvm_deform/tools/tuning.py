@@ -92,6 +92,16 @@ class RuleSpaces:
 
 #: records kept per workload and space when the logs are pruned
 KEEP_PER_WORKLOAD = 3
+#: what the runtime does with a key's records, written into its manifest (the records are of
+#: static shapes; see :func:`tvm_deform.runtime.kernels.any_size`)
+SIZES_NOTE = (
+    "static kernels for exactly the tuned shapes: on a machine of this hardware key, a call of "
+    "a shape these logs hold runs a kernel compiled for that size with the schedule they "
+    "choose; every other shape runs the default schedule's kernel for any size. Machines of "
+    "other keys use these records only where they compile a kernel per size "
+    "(TVM_DEFORM_SIZES=static, or a call past 2^31 elements), timing them against the default "
+    "at a shape's first use."
+)
 
 
 def database(directory: Path) -> ms.database.JSONDatabase:
@@ -684,6 +694,7 @@ def write_pruned_logs(
             "tvm_deform_version": __version__,
             "date": datetime.date.today().isoformat(),
             "kept_per_workload": KEEP_PER_WORKLOAD,
+            "sizes": SIZES_NOTE,
         }
     )
     out_root.mkdir(parents=True, exist_ok=True)
