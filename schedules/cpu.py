@@ -314,8 +314,8 @@ CHANNELS_LAST_MIN = 8
 #: channels-last sampling vectorises along the channels in blocks of at most this many (four
 #: 512-bit vectors of float32), looping over the blocks. A 256- or 512-channel axis vectorised
 #: whole made every operation of the gather 16-32 vector registers wide: on the R50-DCNv2 c4 and
-#: c5 layers LLVM took 0.2-0.3 s longer to compile the kernel (0.5 s against 0.7-0.8 s), and it
-#: ran no faster (measured on an Intel Xeon, ``emeraldrapids``)
+#: c5 layers LLVM took 0.2-0.3 s longer to compile the kernel (0.5-0.7 s against 0.7-0.9 s), and
+#: it ran no faster (measured on an Intel Xeon, ``emeraldrapids``)
 CHANNEL_BLOCK = 64
 
 
