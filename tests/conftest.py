@@ -7,11 +7,14 @@ import torch
 @pytest.fixture(autouse=True, scope="session")
 def _kernel_cache(tmp_path_factory):
     """Keep the tests' compiled kernels out of the user's cache directory, and the user's own
-    tuning logs out of the tests' lookups."""
+    tuning logs out of the tests' lookups. Backward kernels are not compiled ahead on a thread
+    (``tests/test_background.py`` turns that on): a compile still running when its test ends
+    would meet the next test's patched compiler and cleared kernel memory."""
     mp = pytest.MonkeyPatch()
     mp.setenv("TVM_DEFORM_CACHE_DIR", str(tmp_path_factory.mktemp("kernel-cache")))
     mp.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("data-home")))
     mp.delenv("TVM_DEFORM_LOGS", raising=False)
+    mp.setenv("TVM_DEFORM_PREPARE_BACKWARD", "0")
     yield
     mp.undo()
 

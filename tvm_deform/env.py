@@ -92,6 +92,13 @@ def measure_enabled() -> bool:
     return _flag("TVM_DEFORM_MEASURE", True)
 
 
+def prepare_backward_enabled() -> bool:
+    """``TVM_DEFORM_PREPARE_BACKWARD=0``: a layer's first forward under autograd does not start
+    compiling its backward kernels on a thread of their own; they compile when the backward
+    runs (see :mod:`tvm_deform.runtime.background`)."""
+    return _flag("TVM_DEFORM_PREPARE_BACKWARD", True)
+
+
 def user_logs_dir() -> Path:
     """``TVM_DEFORM_LOGS``: the user's tuning-log directory (laid out like ``tuning_logs/``),
     searched before the shipped logs; ``tvm-deform tune`` writes there.
@@ -119,6 +126,7 @@ VARIABLES = {
     "TVM_DEFORM_CACHE_LIMIT": "most the cached kernels may take (e.g. 500M, 2G; default 1G)",
     "TVM_DEFORM_LAUNCHER": "0 runs CPU kernels on TVM's thread pool, not torch's threads",
     "TVM_DEFORM_MEASURE": "0: no timing of other machines' records here (default schedule)",
+    "TVM_DEFORM_PREPARE_BACKWARD": "0: the backward's CPU kernels compile when it runs, not ahead",
     "TVM_DEFORM_LOGS": "tuning-log directory: `tune` writes there, lookups search it first",
     "TVM_DEFORM_SIZES": "static: a CPU kernel per input size, not one for every size",
     "TVM_DEFORM_TUNED": "0 ignores all tuning logs (default schedules only)",

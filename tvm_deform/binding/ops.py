@@ -17,9 +17,11 @@ import torch
 # land on the first image a model sees. Imported here, with the package, instead.
 import torch._dynamo  # noqa: F401
 
+from tvm_deform import env
 from tvm_deform.binding.validation import ArgumentError, as_pair, check_arguments
 from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape
+from tvm_deform.runtime import background
 from tvm_deform.runtime.calls import device_target, is_channels_last, run_backward, run_forward
 
 # run_forward, run_backward and device_target live in the runtime (one calling path for the ops,
@@ -246,6 +248,40 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(input, offset, weight, mask)
     ctx.has_bias = bias is not None
     ctx.params = params
+    # A backward will follow: start its CPU kernels compiling now (a layer's first call).
+    cpu = type(input) is torch.Tensor and input.device.type == "cpu"
+    if cpu and env.prepare_backward_enabled():
+        _prepare_backward(ctx.needs_input_grad[:5], input, offset, weight, bias, mask, params)
+
+
+#: the calls whose backward kernels :func:`_prepare_backward` has asked for, by what makes their
+#: shape (cheaper to look up than the shape, which takes microseconds to build)
+_backward_prepared: set[tuple] = set()
+
+
+def _prepare_backward(needs_input_grad, input, offset, weight, bias, mask, params) -> None:
+    """Have the backward kernels that this call's backward will ask for compiled ahead (see
+    :mod:`tvm_deform.runtime.background`), once per shape and gradients."""
+    key = (
+        input.shape,
+        offset.shape,
+        weight.shape,
+        None if mask is None else mask.shape,
+        bias is None,
+        input.dtype,
+        *params,
+        *needs_input_grad,
+    )
+    if key in _backward_prepared:
+        return
+    _backward_prepared.add(key)
+    needs_input, needs_offset, needs_weight, needs_bias, needs_mask = needs_input_grad
+    gradients = definition.Gradients(
+        input=needs_input, sampling=needs_offset or needs_mask, weight=needs_weight or needs_bias
+    )
+    shape = _op_shape(input, offset, weight, bias, mask, *params[:6])
+    shape = dataclasses.replace(shape, offset_grad_rule=_checked_rule(params[6]))
+    background.prepare_backward(shape, device_target(input.device), gradients)
 
 
 def _backward(ctx, grad_output):
