@@ -4,15 +4,17 @@ In a training step every forward call comes before the first backward call. A la
 forward call under autograd therefore starts compiling (or loading) the backward kernels its
 backward will ask for, on one background thread, while the forward goes on: from an empty kernel
 cache, the backward kernels of R50-DCNv2 took about 11 s to compile one after the other in its
-first step, and with the forward's calls starting them the step took 9.7-11.8 s instead of
-14.7-19.0 s (Intel Xeon ``emeraldrapids``, 2 cores, three runs each). The backward takes the
-kernels through the usual lookup (:func:`tvm_deform.runtime.kernels.get_backward`), which waits
-for a compile the thread has started and compiles what the thread has not reached yet itself.
+first step, and with the forward's calls starting them the step took 9.1-9.6 s instead of
+14.4-14.6 s (Intel Xeon ``emeraldrapids``, 2 cores, three runs each, ``lab/first_step.py``). The
+backward takes the kernels through the usual lookup
+(:func:`tvm_deform.runtime.kernels.get_backward`), which waits for a compile the thread has
+started and compiles what the thread has not reached yet itself.
 
 Only CPU kernels for any size are prepared so: their choice involves no timing (a measured
-dispatch on a thread would disturb, and be disturbed by, the forward), and a CUDA kernel is
-loaded where the call runs. ``TVM_DEFORM_PREPARE_BACKWARD=0`` turns it off. At exit the thread
-finishes the compile it is running, if any, and drops the rest.
+dispatch on a thread would disturb, and be disturbed by, the forward). On a GPU the backward
+compiles its kernels when it runs, as before: preparing them on a thread has not been tried on a
+GPU machine. ``TVM_DEFORM_PREPARE_BACKWARD=0`` turns it off. At exit the thread finishes the
+compile it is running, if any, and drops the rest.
 """
 
 from __future__ import annotations
