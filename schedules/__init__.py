@@ -124,7 +124,11 @@ def _any_size_definition(
 
 def backward_pixel_quantum(shape: ConvShape, target: Target) -> int:
     """The multiple the backward kernels for any size of ``shape``'s layer pad the pixels to:
-    two vectors of the accumulator, the default's widest pixel tile."""
+    on a CPU two vectors of the accumulator, the default's widest pixel tile; on a GPU the
+    column gradient's pixel tile."""
+    if target.kind.name == "cuda":
+        threads, registers = BackwardCUDA.column_tiles[0]
+        return threads * registers
     return 2 * lanes(target, shape.accumulator_dtype)
 
 

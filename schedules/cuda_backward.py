@@ -1,41 +1,69 @@
-"""CUDA schedules of the backward kernels (deterministic: no atomics, no split reductions).
+"""CUDA schedules of the backward kernels (deterministic: no atomics).
 
-- ``BackwardCUDA`` for ``deform_conv2d_backward`` (every gradient but the input's): each
-  stage of the PrimFunc (geometry, the column gradient, the derivative coefficients and the
-  sampling gradients, the recomputed columns, the weight and bias gradients) runs as a kernel
-  of its own with one thread per output element; every reduction (over the output channels for
-  the column gradient, over a group's channels for the sampling gradients, over the pixels for
-  the weight's) runs inside its thread in a fixed order. Stages that are not arguments of the
-  PrimFunc live in scratch memory, which comes from torch's caching allocator (see
-  :mod:`tvm_deform.runtime.workspace`).
+- ``BackwardCUDA`` for ``deform_conv2d_backward`` (every gradient but the input's). Its two
+  matrix products run as tiled GEMMs, as torchvision hands them to cuBLAS:
+
+  - the column gradient (``grad_columns[n, c, k, p]``, a sum over a group's output channels
+    of the weight times the output's gradient): a thread block per (image and tap, tile of
+    input channels, tile of pixels);
+  - the weight's gradient (``weight_sum[o, c, k]``, a sum over the images and pixels of the
+    output's gradient times the recomputed columns): a thread block per (tap, tile of output
+    channels, tile of input channels), its cast to the weight's dtype written from the
+    registers.
+
+  Each thread accumulates a register block of 4 x 4 outputs; the reduction goes in chunks that
+  the block's threads first copy to shared memory (both operands). Every output is summed by
+  one thread in the definition's order, so the result does not depend on the tiling and is
+  the same bits on every run. A GEMM whose tile would straddle two weight groups (a grouped
+  layer with fewer channels per group than a tile; a depthwise layer has no product to tile)
+  keeps one thread per element.
+
+  The other stages (geometry, the derivative coefficients and the sampling gradients, the
+  recomputed columns, the bias's gradient) run as kernels of their own with one thread per
+  output element; their reductions (over a group's channels for the sampling gradients, over
+  the pixels for the bias's) run inside the thread in a fixed order. Stages that are not
+  arguments of the PrimFunc live in scratch memory, which comes from torch's caching allocator
+  (see :mod:`tvm_deform.runtime.workspace`).
 - ``GradInputCUDA`` for ``deform_conv2d_grad_input``, the scatter: one thread per (n, c)
   image plane, accumulating into a plane of its own in local memory (the definition's
   ``plane_scope="local"``) in the definition's order, then writing it out. Planes never share
   memory, so no atomics are needed and the gradient is the same bits on every run.
 
-The results are therefore those of the CPU kernels' order of summation within each reduction,
-and the same from run to run. These are first schedules, for correctness: one thread per
-element or plane leaves most of a large GPU idle on small layers. ``emulate=True`` applies the
-same structure without the thread bindings, so that an LLVM target can run it: the tests check
-on the CPU that it computes torchvision's gradients.
+``emulate=True`` applies the same structure without the thread bindings and with the shared
+buffers in global memory, so that an LLVM target can run it: the tests check on the CPU that it
+computes torchvision's gradients.
 """
 
 from __future__ import annotations
 
 from tvm import s_tir, tirx
 from tvm.target import Target
+from tvm_deform.schedules.common import largest_divisor
+from tvm_deform.schedules.cuda import SplitReductionCUDA
 from tvm_deform.schedules.rule import Rule
 
 
 class BackwardCUDA(Rule):
     """The CUDA schedule of the gradients kernel (see the module docstring). Its space is the
-    default alone: one thread per element has nothing to tune."""
+    default alone."""
 
     kernel = "backward"
     target_kind = "cuda"
 
-    #: threads per block of every stage
+    #: threads per block of the stages with one thread per element
     threads = 256
+    #: (threads, registers) along a GEMM tile's rows (input channels of the column gradient,
+    #: output channels of the weight's), the first whose tile divides a weight group's rows
+    row_tiles = ((8, 4), (8, 2), (4, 2), (2, 2), (2, 1))
+    #: the same along its columns (pixels of the column gradient, input channels of the
+    #: weight's); pixels are padded to a multiple of every tile here
+    column_tiles = ((16, 4), (16, 2), (8, 2), (4, 2), (2, 2), (2, 1))
+    #: reduction steps per shared-memory chunk, at most (a divisor of the reduction's extent
+    #: where it is static; the pixels, padded to a multiple of the quantum, take it whole)
+    chunk = 16
+    #: the most parts the weight gradient's reduction over the pixels is split into, and the
+    #: fewest pixels a part holds where the pixel count is known
+    max_parts, min_part_pixels = 16, 256
 
     def __init__(self, emulate: bool = False):
         self.emulate = emulate
@@ -45,12 +73,114 @@ class BackwardCUDA(Rule):
     ) -> s_tir.Schedule | None:
         sch = s_tir.Schedule(func)
         blocks = sch.get_child_blocks(sch.get_sblock("root"))
-        names = {sch.get(block).name_hint for block in blocks}
+        names = [sch.get(block).name_hint for block in blocks]
         if "sample_coef" not in names or "conv" in names:
             return None  # not the gradients kernel of the definition
-        for block in blocks:
-            thread_per_element(sch, block, self.threads, self.emulate)
+        tiled = set()
+        if "grad_columns" in names and self._column_gradient(sch):
+            tiled.add("grad_columns")
+        if "weight_sum" in names and self._weight_gradient(sch, target):
+            tiled |= {"weight_sum", "grad_weight"}
+        for block, name in zip(blocks, names, strict=True):
+            if name not in tiled:
+                thread_per_element(sch, block, self.threads, self.emulate)
         return sch
+
+    def _column_gradient(self, sch: s_tir.Schedule) -> bool:
+        """Tile ``grad_columns``: rows a group's input channels, columns the pixels, the
+        reduction a group's output channels. False (untouched) where a tile of rows would
+        straddle two groups, or no tile of columns divides the padded pixels."""
+        weight_in, out_per_group = _groups(sch)
+        block = sch.get_sblock("grad_columns")
+        n, c, k, p, ro = sch.get_loops(block)
+        rows = _tile(self.row_tiles, weight_in)
+        columns = _tile(self.column_tiles, _pixel_multiple(sch, p))
+        if rows is None or columns is None:
+            return False
+        sch.reorder(n, k, c, p, ro)
+        chunks = sch.split(ro, [None, largest_divisor(out_per_group, self.chunk)])
+        gemm_tiles(sch, block, [n, k], c, p, chunks, rows, columns, self.emulate)
+        return True
+
+    def _weight_gradient(self, sch: s_tir.Schedule, target: Target) -> bool:
+        """Tile ``weight_sum``: rows a group's output channels, columns its input channels,
+        the reduction the images and pixels (in chunks that divide the padded pixels), split
+        into :meth:`parts` over the chunks where the tiles alone would leave most of the GPU
+        idle. Without a split, ``grad_weight`` (the cast) is written from the registers; with
+        one, the partial sums go to scratch memory and a last kernel adds them in order and
+        casts, one thread per weight. False (untouched) where a tile of rows would straddle
+        two groups, or a group has too few input channels for a tile of columns."""
+        weight_in, out_per_group = _groups(sch)
+        rows = _tile(self.row_tiles, out_per_group)
+        columns = _tile(self.column_tiles, weight_in)
+        if rows is None or columns is None:
+            return False
+        block = sch.get_sblock("weight_sum")
+        o, c, k, n, p = sch.get_loops(block)
+        chunk = largest_divisor(_pixel_multiple(sch, p), self.chunk)
+        chunks, p = sch.split(p, [None, chunk])
+        tiles = int(sch.get(k).extent) * int(sch.get(o).extent) // (rows[0] * rows[1])
+        tiles *= weight_in // (columns[0] * columns[1])
+        parts = self.parts(tiles, sch.get(chunks).extent, chunk, target)
+        if parts == 1:
+            sch.reorder(k, o, c, n, chunks, p)
+            consumer = sch.get_sblock("grad_weight")
+            gemm_tiles(sch, block, [k], o, c, [n, chunks, p], rows, columns, self.emulate, consumer)
+            return True
+        part, chunks = sch.split(chunks, [parts, None])
+        sch.reorder(part, n)
+        partial = sch.rfactor(part, factor_axis=0)
+        o, c, k, part, n, chunks, p = sch.get_loops(partial)
+        sch.reorder(part, k, o, c, n, chunks, p)
+        gemm_tiles(sch, partial, [part, k], o, c, [n, chunks, p], rows, columns, self.emulate)
+        cast = sch.get_sblock("grad_weight")
+        thread_per_element(sch, cast, self.threads, self.emulate)
+        sch.compute_at(block, sch.get_loops(cast)[-1])
+        return True
+
+    def parts(self, tiles: int, chunks, chunk: int, target: Target) -> int:
+        """The parts the weight gradient's reduction over ``chunks`` chunks of ``chunk``
+        pixels (per image; symbolic for a kernel for any size) is split into, for ``tiles``
+        thread blocks of its GEMM: the fewest (a power of two, at most ``max_parts``) that
+        give the blocks that fill ``target``'s GPU; where the chunks are known, parts that
+        divide them into at least ``min_part_pixels`` pixels each."""
+        wanted = SplitReductionCUDA().blocks_wanted(target)
+        parts = 1
+        while tiles * parts < wanted and parts * 2 <= self.max_parts:
+            if isinstance(chunks, tirx.IntImm):
+                per_part, remainder = divmod(int(chunks), parts * 2)
+                if remainder or per_part * chunk < self.min_part_pixels:
+                    break
+            parts *= 2
+        return parts
+
+
+def _groups(sch: s_tir.Schedule) -> tuple[int, int]:
+    """(input channels, output channels) per weight group of the backward PrimFunc in
+    ``sch``."""
+    buffers = {
+        region.source.name: region.source
+        for block in sch.get_child_blocks(sch.get_sblock("root"))
+        for region in sch.get(block).reads
+    }
+    out_channels, weight_in, _ = (int(d) for d in buffers["weight"].shape)
+    in_channels = int(buffers["data"].shape[1])
+    return weight_in, out_channels // (in_channels // weight_in)
+
+
+def _pixel_multiple(sch: s_tir.Schedule, pixels) -> int:
+    """A number the padded pixel count (the extent of the loop ``pixels``) is a multiple of:
+    itself where it is known, else the PrimFunc's quantum. A tile or chunk that divides it
+    needs no predicate, which would leave TVM a shared-memory stage of symbolic size."""
+    extent = sch.get(pixels).extent
+    if isinstance(extent, tirx.IntImm):
+        return int(extent)
+    return int(sch.mod["main"].attrs["pixel_quantum"])
+
+
+def _tile(tiles: tuple[tuple[int, int], ...], extent: int) -> tuple[int, int] | None:
+    """The first (threads, registers) of ``tiles`` whose product divides ``extent``."""
+    return next(((t, r) for t, r in tiles if extent % (t * r) == 0), None)
 
 
 class GradInputCUDA(Rule):
@@ -91,3 +221,86 @@ def thread_per_element(sch: s_tir.Schedule, block, threads: int, emulate: bool) 
     if not emulate:
         sch.bind(outer, "blockIdx.x")
         sch.bind(inner, "threadIdx.x")
+
+
+def gemm_tiles(
+    sch: s_tir.Schedule,
+    block,
+    grid: list,
+    rows,
+    columns,
+    reduction: list,
+    row_tile: tuple[int, int],
+    column_tile: tuple[int, int],
+    emulate: bool,
+    consumer=None,
+) -> None:
+    """Tile the GEMM ``block``, whose loops are ``grid`` (one thread block each, fused along
+    ``blockIdx.z``), ``rows``, ``columns`` and the ``reduction`` loops, in that order; the
+    last reduction loop runs through one chunk.
+
+    A thread block covers ``row_tile`` (threads, registers) rows by ``column_tile`` columns;
+    each thread accumulates its registers' block in local memory. For each chunk, the block's
+    threads first copy the slices of both operands to shared memory, then multiply them. The
+    accumulators are written back from the registers, through ``consumer`` (an elementwise
+    block reading ``block``'s result, e.g. a cast) where given. With ``emulate``, the loops are
+    laid out alike but not bound, and the shared buffers are global."""
+    bind = _binder(sch, emulate)
+    accumulator = sch.cache_write(block, 0, "local")
+    (threads_y, regs_y), (threads_x, regs_x) = row_tile, column_tile
+    row_outer, row_thread, row_reg = sch.split(rows, [None, threads_y, regs_y])
+    column_outer, column_thread, column_reg = sch.split(columns, [None, threads_x, regs_x])
+    *outer_reduction, chunk_outer, chunk_inner = reduction
+    sch.reorder(
+        *grid,
+        row_outer,
+        column_outer,
+        row_thread,
+        column_thread,
+        *reduction,
+        row_reg,
+        column_reg,
+    )
+    bind(column_outer, "blockIdx.x")
+    bind(row_outer, "blockIdx.y")
+    if grid:
+        bind(sch.fuse(*grid) if len(grid) > 1 else grid[0], "blockIdx.z")
+    bind(row_thread, "threadIdx.y")
+    bind(column_thread, "threadIdx.x")
+    if consumer is None:
+        sch.reverse_compute_at(accumulator, column_thread)
+    else:
+        sch.compute_inline(accumulator)
+        sch.reverse_compute_at(consumer, column_thread)
+
+    result = sch.get(block).writes[0].source
+    reads = sch.get(block).reads
+    operands = [i for i, region in enumerate(reads) if not region.source.same_as(result)]
+    scope = "global" if emulate else "shared"
+    fills = [sch.cache_read(block, i, scope, consumer_blocks=[block]) for i in operands]
+    for fill in fills:
+        sch.compute_at(fill, chunk_outer)
+    chunk_var = sch.get(chunk_outer).loop_var
+    for fill in fills:
+        loops = sch.get_loops(fill)
+        depth = 1 + next(
+            i for i, loop in enumerate(loops) if sch.get(loop).loop_var.same_as(chunk_var)
+        )
+        if depth == len(loops):
+            continue  # a slice of one element: every thread writes that same value
+        _, y, x = sch.split(sch.fuse(*loops[depth:]), [None, threads_y, threads_x])
+        bind(y, "threadIdx.y")
+        bind(x, "threadIdx.x")
+    sch.unroll(row_reg)
+    sch.unroll(column_reg)
+    sch.decompose_reduction(block, reduction[0])
+
+
+def _binder(sch: s_tir.Schedule, emulate: bool):
+    """``bind(loop, thread)``: binds on a GPU, does nothing in an emulated run."""
+
+    def bind(loop, thread: str) -> None:
+        if not emulate:
+            sch.bind(loop, thread)
+
+    return bind

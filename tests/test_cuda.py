@@ -670,7 +670,8 @@ def test_emulated_cuda_backward_for_any_size_matches_torchvision(dtype):
 
     layer = ConvShape(0, 16, 0, 0, 24, 3, 3, 2, 1, 1, 1, 1, 2, offset_groups=2, has_bias=True)
     layer = dataclasses.replace(layer, dtype=dtype)
-    target, quantum = targets.host_target(), 8
+    target = targets.host_target()
+    quantum = schedules.backward_pixel_quantum(layer, targets.cuda_target("sm_90"))
     func = definition.backward(layer, definition.ALL_GRADIENTS, "symbolic", quantum)
     gradients = BackwardCUDA(emulate=True).apply(func, target)
     func = definition.grad_input(layer, "workspace", "symbolic", quantum)
