@@ -713,6 +713,72 @@ def test_emulated_cuda_backward_for_any_size_matches_torchvision(dtype):
                 assert_close(value, theirs[name], tolerance, where)
 
 
+@pytest.mark.parametrize("sizes", ["static", "symbolic"])
+def test_emulated_cuda_backward_gemms_at_full_tiles_match_float64(sizes):
+    """The backward's two GEMMs at the default's full tiles (8x4 rows by 16x4 columns, 64
+    channels), the weight's reduction split into parts over the pixels, without the thread
+    bindings on the CPU: the gradients against torchvision's in float64 on the same inputs, and
+    the same bits twice."""
+    from tvm_deform.schedules.cuda_backward import BackwardCUDA, GradInputCUDA
+
+    from tvm_deform.binding.ops import run_backward
+    from tvm_deform.runtime.kernels import BackwardKernels
+
+    shape = ConvShape(1, 64, 32, 32, 64, 3, 3, 1, 1, 1, 1, 1, 1, has_bias=True)
+    gpu, host = targets.cuda_target("sm_90"), targets.host_target()
+    quantum = schedules.backward_pixel_quantum(shape, gpu)
+    layer = shape if sizes == "static" else shape.any_size()
+    func = definition.backward(layer, definition.ALL_GRADIENTS, sizes, quantum)
+    rule = BackwardCUDA(emulate=True)
+    gradients = rule.apply(func, host)
+    names = {
+        gradients.get(b).name_hint for b in gradients.get_child_blocks(gradients.get_sblock("root"))
+    }
+    assert "weight_sum_rf_update" in names  # split: 18 tiles of the weight's GEMM
+    assert {"grad_columns_update", "weight_global", "columns_global"} <= names  # staged
+    plane_scope = "global" if sizes == "static" else "workspace"
+    scatter = GradInputCUDA(emulate=True).apply(
+        definition.grad_input(layer, plane_scope, sizes, quantum), host
+    )
+    symbol = "deform_conv2d_backward"
+    built = tvm.compile(
+        tvm.IRModule(
+            {
+                symbol: gradients.mod["main"].with_attr("global_symbol", symbol),
+                "deform_conv2d_grad_input": scatter.mod["main"],
+            }
+        ),
+        target=host,
+    )
+    compiled = BackwardKernels(
+        built[symbol],
+        built["deform_conv2d_grad_input"],
+        quantum,
+        sizes == "symbolic",
+        plane_workspace=sizes == "symbolic",
+    )
+    inputs = random_inputs(shape)
+    grad_output = torch.randn(shape.batch, shape.out_channels, shape.out_h, shape.out_w)
+    arguments = [inputs[n] for n in ("input", "offset", "weight", "mask")]
+    ours = run_backward(shape, grad_output, *arguments, compiled)
+    again = run_backward(shape, grad_output, *arguments, compiled)
+    names = ["input", "offset", "weight", "bias", "mask"]
+    leaves = {n: inputs[n].double().requires_grad_() for n in names}
+    out = torchvision.ops.deform_conv2d(**leaves, **conv_kwargs(shape))
+    theirs = dict(
+        zip(
+            leaves,
+            torch.autograd.grad(out, list(leaves.values()), grad_output.double()),
+            strict=True,
+        )
+    )
+    for name, value, repeat in zip(
+        ["input", "offset", "mask", "weight", "bias"], ours, again, strict=True
+    ):
+        assert torch.equal(value, repeat), name
+        assert_close(value, theirs[name], 2e-5, f"grad_{name}")
+
+
 @needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_cuda_backward_for_any_size_builds_without_atomics(arch):
