@@ -25,15 +25,18 @@ call cut short keeps what was done; the exit code is non-zero if any step failed
    sampled per output tile), the default's kernel for the layer's size alone, the
    tensor-core schedule of float16 and bfloat16 layers it takes, and cuDNN's dense
    ``conv2d``; each row is written as it is timed, and ``OUT/gpu_results.md`` holds the table;
-6. host cost: the CPU time of one call of ours and of torchvision's, unsynchronised;
-7. model (``--model``): R50-DCNv2 at batch 2, 640x640, in float32 and float16, with
+6. backward: per workload in float32, the backward alone (every gradient) of the public op,
+   of torchvision's and of cuDNN's dense ``conv2d``, medians of CUDA-event timings, our
+   gradients checked against torchvision's;
+7. host cost: the CPU time of one call of ours and of torchvision's, unsynchronised;
+8. model (``--model``): R50-DCNv2 at batch 2, 640x640, in float32 and float16, with
    torchvision's op, ours and dense convs in place;
-8. round (``--round``): a round of tuning candidates built elsewhere (``tvm-deform
+9. round (``--round``): a round of tuning candidates built elsewhere (``tvm-deform
    tune-round``) timed with ``lab/time_round.py`` within ``--round-seconds``, into
    ``OUT/round_results.jsonl`` for ``tvm-deform tune-ingest``;
-9. tune (``--trials``): MetaSchedule's online tuning here, in the generic CUDA space, within
-   ``--tune-seconds`` (needs TVM's builder on this machine; the rounds are the way that fits
-   a short GPU window).
+10. tune (``--trials``): MetaSchedule's online tuning here, in the generic CUDA space, within
+    ``--tune-seconds`` (needs TVM's builder on this machine; the rounds are the way that fits
+    a short GPU window).
 
 A step that would start after ``--deadline`` seconds is skipped (recorded as such), so that the
 call ends before the machine's limit on one command (``--call-limit``). The same functions run
@@ -365,6 +368,32 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def backward_markdown(rows: list[dict]) -> str:
+    """The backward's table: one line per layer, and the geometric mean of torchvision's time
+    over ours."""
+    lines = [
+        "| layer | torchvision ms | public op ms | conv2d ms | torchvision / ours | error |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    grouped: dict[str, dict[str, dict]] = {}
+    for row in rows:
+        if row.get("median_ms") is not None:
+            grouped.setdefault(row["layer"], {})[row["implementation"]] = row
+    ratios = []
+    for layer, found in grouped.items():
+        ours = found.get(PUBLIC_OP)
+        error = f"{ours['error']:.1e}" if ours and ours.get("error") is not None else "-"
+        if ours and "torchvision" in found:
+            ratios.append(found["torchvision"]["median_ms"] / ours["median_ms"])
+        lines.append(
+            f"| {layer} | {_ms(found, 'torchvision')} | {_ms(found, PUBLIC_OP)} "
+            f"| {_ms(found, 'conv2d (dense)')} | {_ratio(found, 'torchvision', ours)} | {error} |"
+        )
+    if ratios:
+        lines.append(f"\nGeometric mean of torchvision / ours: {geometric_mean(ratios):.2f}x")
+    return "\n".join(lines)
+
+
 def _ms(found: dict[str, dict], label: str) -> str:
     return f"{found[label]['median_ms']:.3f}" if label in found else "-"
 
@@ -390,6 +419,61 @@ def speedup_over_torchvision(rows: list[dict], dtype: str = "float32") -> float 
         if "torchvision" in t and any(k in KERNELS for k in t)
     ]
     return geometric_mean(ratios) if ratios else None
+
+
+def time_backward(
+    layers: dict[str, ConvShape], device: str, runs: int = 10, on_row=lambda row: None
+) -> list[dict]:
+    """Per layer, in float32: the backward alone (every gradient, through autograd, the
+    forward's graph kept) of the public op, of torchvision's and of cuDNN's dense ``conv2d``
+    (input, weight and bias gradients), medians of CUDA-event timings on the same inputs; our
+    gradients are checked against torchvision's (the largest relative error of the five)."""
+    import torchvision.ops
+
+    names = ("input", "offset", "weight", "bias", "mask")
+    rows = []
+    for name, shape in layers.items():
+        args = _inputs(shape, device, torch.float32)
+        present = [n for n in names if args[n] is not None]
+
+        def dense(input, offset, weight, bias, mask, groups=shape.weight_groups, **kwargs):
+            return torch.nn.functional.conv2d(input, weight, bias, groups=groups, **kwargs)
+
+        calls = {
+            "torchvision": torchvision.ops.deform_conv2d,
+            PUBLIC_OP: deform_conv2d,
+            "conv2d (dense)": dense,
+        }
+        theirs = None
+        for label, fn in calls.items():
+            row = {"layer": name, "dtype": "float32", "implementation": label}
+            try:
+                leaves = {n: args[n].detach().clone().requires_grad_() for n in present}
+                dense = label == "conv2d (dense)"
+                used = [leaves[n] for n in present if not (dense and n in ("offset", "mask"))]
+                out = fn(**(args | leaves))
+                grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+                grad = grad.to(out)
+                grads = torch.autograd.grad(out, used, grad, retain_graph=True)
+                if label == "torchvision":
+                    theirs = grads
+                elif label == PUBLIC_OP and theirs is not None:
+                    pairs = zip(grads, theirs, strict=True)
+                    row["error"] = max(relative_error(a, b) for a, b in pairs)
+                row["median_ms"] = measure(
+                    lambda out=out, used=used, grad=grad: torch.autograd.grad(
+                        out, used, grad, retain_graph=True
+                    ),
+                    warmup=3,
+                    min_runs=runs,
+                    min_seconds=0,
+                    cuda=device == "cuda",
+                ).median_ms
+            except Exception as error:  # noqa: BLE001 - a failure is a result
+                row |= {"median_ms": None, "failure": repr(error)[:300]}
+            rows.append(row)
+            on_row(row)
+    return rows
 
 
 def host_cost(device: str, layers: Sequence[str] = ("seed", "demo_64x56x56"), calls: int = 200):
@@ -629,6 +713,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             r["median_ms"] is not None or r["implementation"] == "torchvision" for r in rows
         ),
     )
+    backward_rows = step(
+        "time_backward",
+        lambda: time_backward(suite, args.device, runs=10 if cuda else 3),
+        lambda rows: all(r["median_ms"] is not None for r in rows),
+    )
+    if backward_rows:
+        (out / "gpu_backward.md").write_text(backward_markdown(backward_rows) + "\n")
     step("host_cost", lambda: host_cost(args.device, calls=200 if cuda else 20))
     if args.model:
         dtypes = session_dtypes(args.device)[:2]  # float32 and float16 on a GPU

@@ -46,6 +46,12 @@ def test_gpu_session_steps_run_on_the_cpu(tmp_path):
     assert "time_so_far" not in results
     table = (tmp_path / "gpu_results.md").read_text()
     assert "demo_64x56x56" in table and "speed-up over torchvision" in table
+    backward = {(r["layer"], r["implementation"]): r for r in results["time_backward"]["value"]}
+    for layer in ("seed", "demo_64x56x56"):
+        assert backward[layer, "torchvision"]["median_ms"] > 0
+        assert backward[layer, "conv2d (dense)"]["median_ms"] > 0
+        assert backward[layer, gpu_session.PUBLIC_OP]["error"] < 1e-5
+    assert "Geometric mean of torchvision / ours" in (tmp_path / "gpu_backward.md").read_text()
     costs = {(r["layer"], r["implementation"]) for r in results["host_cost"]["value"]}
     assert ("seed", gpu_session.PUBLIC_OP) in costs and ("seed", "torchvision") in costs
     model = {r["implementation"]: r for r in results["model"]["value"]}
