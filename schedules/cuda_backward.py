@@ -36,11 +36,16 @@ computes torchvision's gradients.
 
 from __future__ import annotations
 
+import math
+
 from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm_deform.schedules.common import largest_divisor
 from tvm_deform.schedules.cuda import SplitReductionCUDA
 from tvm_deform.schedules.rule import Rule
+
+#: the most thread blocks along a grid's ``y`` (and ``z``) axis
+GRID_Y = 65535
 
 
 class BackwardCUDA(Rule):
@@ -209,18 +214,36 @@ class GradInputCUDA(Rule):
 
 
 def thread_per_element(sch: s_tir.Schedule, block, threads: int, emulate: bool) -> None:
-    """Fuse ``block``'s spatial loops (the outer ones, one per data-parallel iterator) and spread
-    them over thread blocks of ``threads`` threads; its reduction loops stay inside each
-    thread. With ``emulate``, the loops are split alike but not bound."""
+    """Spread ``block``'s spatial loops (the outer ones, one per data-parallel iterator) over
+    thread blocks of ``threads`` threads, one element each; its reduction loops stay inside
+    each thread. With ``emulate``, the loops are split alike but not bound.
+
+    The loops are fused into one, except in a kernel for any size whose last loop (the pixels)
+    is the only symbolic one after the first (the images): there the pixels go along
+    ``blockIdx.x`` and the threads, the static loops between along ``blockIdx.y`` and the first
+    along ``blockIdx.z``, so that no index divides by a symbolic extent (which also makes
+    TVM's lowering of such a kernel several times faster)."""
     spatial = sum(1 for v in sch.get(block).iter_vars if v.iter_type == tirx.IterVar.DataPar)
     loops = sch.get_loops(block)[:spatial]
     if not loops:
         return
+    bind = _binder(sch, emulate)
+    extents = [sch.get(loop).extent for loop in loops]
+    static = [isinstance(extent, tirx.IntImm) for extent in extents]
+    rows = math.prod(int(extent) for extent in extents[1:-1] if isinstance(extent, tirx.IntImm))
+    if len(loops) > 1 and not static[-1] and all(static[1:-1]) and rows <= GRID_Y:
+        first, *middle, pixels = loops
+        outer, inner = sch.split(pixels, [None, threads])
+        bind(outer, "blockIdx.x")
+        bind(inner, "threadIdx.x")
+        if middle:
+            bind(sch.fuse(*middle) if len(middle) > 1 else middle[0], "blockIdx.y")
+        bind(first, "blockIdx.z")
+        return
     fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
     outer, inner = sch.split(fused, [None, threads])
-    if not emulate:
-        sch.bind(outer, "blockIdx.x")
-        sch.bind(inner, "threadIdx.x")
+    bind(outer, "blockIdx.x")
+    bind(inner, "threadIdx.x")
 
 
 def gemm_tiles(
