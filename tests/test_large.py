@@ -124,3 +124,44 @@ def test_input_past_int32_elements_gives_correct_values():
     ours = deform_conv2d(data, offset, weight, bias, stride=331, mask=mask)
     expected = reference_1x1(data, offset, weight, bias, mask, 331)
     assert_close(ours, expected, 2e-3, "float16 input of 2.1e9 elements")
+
+
+def test_a_gpu_call_whose_columns_pass_the_budget_takes_chunks_of_images():
+    """A GPU kernel for any size samples the whole batch's columns into a workspace: past
+    ``COLUMN_BYTES`` the call takes as many images as fit, at least one; a CPU call, or a
+    batch that fits, takes every image."""
+    from tvm_deform.runtime import calls
+
+    c3 = ConvShape(8, 128, 800 // 8, 1336 // 8, 128, 3, 3, pad_h=1, pad_w=1)
+    per_image = 128 * 9 * c3.out_h * c3.out_w * 4  # about 77 MB
+    gpu = targets.cuda_target("sm_90")
+    assert calls.images_per_call(c3, gpu) == calls.COLUMN_BYTES // per_image == 6
+    assert calls.images_per_call(c3, targets.host_target()) == 8
+    assert calls.images_per_call(ConvShape(1, 128, 2000, 2000, 128, 3, 3), gpu) == 1
+    small = ConvShape(8, 64, 56, 56, 64, 3, 3, pad_h=1, pad_w=1)
+    assert calls.images_per_call(small, gpu) == 8
+
+
+def test_a_batch_run_in_chunks_of_images_gives_the_whole_batchs_output(monkeypatch):
+    """The chunk loop, on the CPU: a batch of 5 in calls of 2, 2 and 1 images gives the
+    same output as one call, bit for bit."""
+    from tvm_deform.runtime import calls, inputs
+
+    shape = ConvShape(5, 8, 9, 7, 6, 3, 3, pad_h=1, pad_w=1, has_bias=True)
+    args = inputs.random_inputs(shape)
+    whole = deform_conv2d(**args, **inputs.conv_kwargs(shape))
+    seen = []
+
+    def two_at_a_time(shape, target):
+        seen.append(shape.batch)
+        return 2
+
+    monkeypatch.setattr(calls, "images_per_call", two_at_a_time)
+    launches = []
+    launch = calls._launch
+    monkeypatch.setattr(
+        calls, "_launch", lambda part, *a: launches.append(part.batch) or launch(part, *a)
+    )
+    chunked = deform_conv2d(**args, **inputs.conv_kwargs(shape))
+    assert seen == [5] and launches == [2, 2, 1]
+    assert torch.equal(chunked, whole)

@@ -6,17 +6,26 @@ through here."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 import tvm_ffi
 from tvm.target import Target
 
+from tvm_deform import env
 from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import kernels, targets
 
-__all__ = ["device_target", "run_backward", "run_forward"]
+__all__ = ["device_target", "images_per_call", "run_backward", "run_forward"]
+
+
+#: the most bytes of sampled columns (the im2col matrix, a workspace from torch's caching
+#: allocator) that one call of a GPU kernel for any size writes: a larger batch runs in chunks
+#: of images, each a call of its own (about 77 MB an image for a 128-channel 3x3 layer at
+#: 100x167 output pixels, the third stage of a ResNet at 800x1333)
+COLUMN_BYTES = 512 * 2**20
 
 
 def run_forward(
@@ -30,10 +39,58 @@ def run_forward(
 ) -> torch.Tensor:
     """Run ``kernel`` (default: the one dispatch picks for ``shape`` on the tensors' device)
     on validated tensors, CPU or CUDA. A CUDA kernel runs on torch's current stream of the
-    tensors' device, without synchronising."""
+    tensors' device, without synchronising. Where dispatch picks a GPU kernel for any size, a
+    batch whose columns would pass :data:`COLUMN_BYTES` runs in chunks of images (see
+    :func:`images_per_call`)."""
     output = input.new_empty((shape.batch, shape.out_channels, shape.out_h, shape.out_w))
     if shape.batch == 0:
         return output
+    images = shape.batch
+    if kernel is None:
+        images = images_per_call(shape, device_target(input.device))
+    for start in range(0, shape.batch, images):
+        stop = min(start + images, shape.batch)
+        part = shape if images == shape.batch else dataclasses.replace(shape, batch=stop - start)
+        _launch(
+            part,
+            input[start:stop],
+            offset[start:stop],
+            weight,
+            bias,
+            mask[start:stop] if mask is not None else None,
+            output[start:stop],
+            kernel,
+        )
+    return output
+
+
+def images_per_call(shape: ConvShape, target: Target) -> int:
+    """How many images of ``shape``'s batch one call of its forward kernel on ``target`` takes:
+    all of them, except for a GPU kernel for any size (whose sampled columns are a workspace
+    of ``batch x channels x taps x pixels``) when the columns of the batch would pass
+    :data:`COLUMN_BYTES`; then as many as fit, at least one."""
+    if target.kind.name != "cuda":
+        return shape.batch
+    element = 8 if shape.accumulator_dtype == "float64" else 4
+    per_image = shape.in_channels * shape.taps * shape.out_h * shape.out_w * element
+    if per_image * shape.batch <= COLUMN_BYTES:
+        return shape.batch
+    if not kernels.any_size(shape, target, env.tuned_enabled()):
+        return shape.batch  # a kernel for this size alone takes its whole batch
+    return max(1, COLUMN_BYTES // per_image)
+
+
+def _launch(
+    shape: ConvShape,
+    input: torch.Tensor,
+    offset: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    output: torch.Tensor,
+    kernel: kernels.Kernel | None,
+) -> None:
+    """One call of the forward kernel into ``output``."""
     cuda = input.device.type == "cuda"
     # A channels_last input on the CPU is read in place by a kernel that takes NHWC.
     nhwc = kernel is None and not cuda and is_channels_last(input)
@@ -60,7 +117,6 @@ def run_forward(
             kernel(*args)
     else:
         kernel(*args)
-    return output
 
 
 def is_channels_last(input: torch.Tensor) -> bool:
