@@ -672,7 +672,8 @@ def test_emulated_cuda_backward_for_any_size_matches_torchvision(dtype):
     layer = dataclasses.replace(layer, dtype=dtype)
     target = targets.host_target()
     quantum = schedules.backward_pixel_quantum(layer, targets.cuda_target("sm_90"))
-    func = definition.backward(layer, definition.ALL_GRADIENTS, "symbolic", quantum)
+    # the offset and mask read at a clamped pixel index, as a GPU's kernels read them
+    func = definition.backward(layer, definition.ALL_GRADIENTS, "symbolic", quantum, False)
     gradients = BackwardCUDA(emulate=True).apply(func, target)
     func = definition.grad_input(layer, "workspace", "symbolic", quantum)
     scatter = GradInputCUDA(emulate=True).apply(func, target)
@@ -728,7 +729,7 @@ def test_emulated_cuda_backward_gemms_at_full_tiles_match_float64(sizes):
     gpu, host = targets.cuda_target("sm_90"), targets.host_target()
     quantum = schedules.backward_pixel_quantum(shape, gpu)
     layer = shape if sizes == "static" else shape.any_size()
-    func = definition.backward(layer, definition.ALL_GRADIENTS, sizes, quantum)
+    func = definition.backward(layer, definition.ALL_GRADIENTS, sizes, quantum, False)
     rule = BackwardCUDA(emulate=True)
     gradients = rule.apply(func, host)
     names = {

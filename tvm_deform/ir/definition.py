@@ -651,7 +651,10 @@ def backward_buffer_shapes(
 
 
 def backward_tensors(
-    shape: ConvShape, gradients: Gradients = ALL_GRADIENTS, quantum: int = PIXEL_QUANTUM
+    shape: ConvShape,
+    gradients: Gradients = ALL_GRADIENTS,
+    quantum: int = PIXEL_QUANTUM,
+    staged_inputs: bool = True,
 ) -> list[te.Tensor]:
     """The TE tensors of the first backward kernel: inputs, then workspaces and gradients, of
     the stages that ``gradients`` needs.
@@ -676,11 +679,11 @@ def backward_tensors(
     shapes = backward_buffer_shapes(shape, gradients, quantum)
     data, offset, mask, weight, bias = _placeholders(shape)
     grad_output = te.placeholder(shapes["grad_output"], shape.dtype, name="grad_output")
-    sampling = _Sampling(shape, offset, mask, quantum)
+    sampling = _Sampling(shape, offset, mask, quantum, staged_inputs)
     geometry = sampling.geometry()
     # The gradient of a padding pixel is zero: it adds nothing to the reductions over pixels.
     gradient = grad_output
-    if sampling.staged:
+    if not isinstance(sampling.pixels, int):
         gradient = pixel_stage(grad_output, quantum, "grad_output_pixels", fill=0)
     inputs = [t for t in (data, offset, mask, weight, grad_output) if t is not None]
     outputs = [*geometry]
@@ -831,6 +834,7 @@ def backward(
     gradients: Gradients = ALL_GRADIENTS,
     sizes: str = "static",
     pixel_quantum: int = PIXEL_QUANTUM,
+    staged_inputs: bool = True,
 ) -> tirx.PrimFunc:
     """The first backward PrimFunc of ``shape``, unscheduled, named ``deform_conv2d_backward``.
 
@@ -843,13 +847,15 @@ def backward(
 
     ``sizes="symbolic"``: batch, height and width as variables (a kernel for every size), its
     pixels padded to a multiple of ``pixel_quantum`` always, as for :func:`forward`. It takes
-    the offset, the mask and the output's gradient as the call has them and pads them in the
-    stages ``offset_pixels``, ``mask_pixels`` and ``grad_output_pixels`` (see
-    :func:`pixel_stage`; the gradient's padding is zero).
+    the offset, the mask and the output's gradient as the call has them and pads the gradient
+    in the stage ``grad_output_pixels`` (its padding zero; see :func:`pixel_stage`). The offset
+    and mask, as for :func:`forward`: with ``staged_inputs`` (the CPU's kernels) through the
+    stages ``offset_pixels`` and ``mask_pixels``, without (the GPU's) at a clamped index.
     """
     if sizes == "symbolic":
         shape = symbolic(shape)
-    func = _prim_func(backward_tensors(shape, gradients, pixel_quantum), "deform_conv2d_backward")
+    tensors = backward_tensors(shape, gradients, pixel_quantum, staged_inputs)
+    func = _prim_func(tensors, "deform_conv2d_backward")
     if sizes == "symbolic":
         func = func.with_attr("pixel_quantum", pixel_quantum)
     return func

@@ -254,7 +254,10 @@ def compile_backward(
     elif sizes == "static":
         sch = default_schedule(shape, target, "backward", gradients)
     else:
-        func = definition.backward(shape, gradients, sizes, quantum)
+        # A GPU thread reads its pixel's offset and mask at a clamped index; a CPU's tiles
+        # read them through stages padded to the quantum.
+        staged = target.kind.name == "llvm"
+        func = definition.backward(shape, gradients, sizes, quantum, staged_inputs=staged)
         sch = schedules.apply_default("backward", func, target)
     functions = {
         "deform_conv2d_backward": sch.mod["main"].with_attr(
