@@ -18,12 +18,13 @@
   layer with fewer channels per group than a tile; a depthwise layer has no product to tile)
   keeps one thread per element.
 
-  The other stages (geometry, the derivative coefficients and the sampling gradients, the
-  recomputed columns, the bias's gradient) run as kernels of their own with one thread per
-  output element; their reductions (over a group's channels for the sampling gradients, over
-  the pixels for the bias's) run inside the thread in a fixed order. Stages that are not
-  arguments of the PrimFunc live in scratch memory, which comes from torch's caching allocator
-  (see :mod:`tvm_deform.runtime.workspace`).
+  The other stages (geometry, the sampling gradients, the recomputed columns, the bias's
+  gradient) run as kernels of their own with one thread per output element; their reductions
+  (over a group's channels for the sampling gradients, over the pixels for the bias's) run
+  inside the thread in a fixed order. A sampling gradient's thread computes its four
+  derivative coefficients in registers. Stages that are not arguments of the PrimFunc live in
+  scratch memory, which comes from torch's caching allocator (see
+  :mod:`tvm_deform.runtime.workspace`).
 - ``GradInputCUDA`` for ``deform_conv2d_grad_input``, the scatter: one thread per (n, c)
   image plane, accumulating into a plane of its own in local memory (the definition's
   ``plane_scope="local"``) in the definition's order, then writing it out. Planes never share
@@ -86,9 +87,22 @@ class BackwardCUDA(Rule):
             tiled.add("grad_columns")
         if "weight_sum" in names and self._weight_gradient(sch, target):
             tiled |= {"weight_sum", "grad_weight"}
+        # The derivative coefficients of a sampling gradient's thread (its four corners) are
+        # computed in that thread, in registers: a kernel and a round trip fewer.
+        local = {"grad_coef"} if {"grad_coef", "sampling_grad"} <= set(names) else set()
         for block, name in zip(blocks, names, strict=True):
-            if name not in tiled:
+            if name not in tiled | local:
                 thread_per_element(sch, block, self.threads, self.emulate)
+        if local:
+            coefficients, consumer = sch.get_sblock("grad_coef"), sch.get_sblock("sampling_grad")
+            reductions = sum(
+                1 for v in sch.get(consumer).iter_vars if v.iter_type == tirx.IterVar.CommReduce
+            )
+            sch.set_scope(coefficients, 0, "local")
+            depth = len(sch.get_loops(consumer)) - reductions
+            sch.compute_at(coefficients, sch.get_loops(consumer)[depth - 1])
+            for loop in sch.get_loops(coefficients)[depth:]:
+                sch.unroll(loop)
         return sch
 
     def _column_gradient(self, sch: s_tir.Schedule) -> bool:
