@@ -16,7 +16,12 @@ from conftest import assert_close
 from inputs import CONFIGS, make_inputs, shape_of
 from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
-from tvm_deform.schedules.cuda import OnePassCUDA, SampleOnceCUDA, SplitReductionCUDA
+from tvm_deform.schedules.cuda import (
+    STATIC_SHARED_MEMORY,
+    OnePassCUDA,
+    SampleOnceCUDA,
+    SplitReductionCUDA,
+)
 from tvm_deform.schedules.cuda_tensor_core import SampleOnceTensorCoreCUDA, TensorCoreCUDA
 
 from tvm_deform import deform_conv2d, schedules
@@ -795,6 +800,42 @@ def test_cuda_backward_for_any_size_builds_without_atomics(arch):
     assert "deform_conv2d_grad_input_kernel" in machine.kernels
     assert not machine.spills()
     assert kernels.any_size(SUITE["demo_64x56x56"], target, False, op="backward")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_suite_layers_backward_for_any_size_builds_to_machine_code(arch):
+    """Every suite layer's CUDA backward kernels for any size build with nvcc: no spills, no
+    stack frame, no atomics; the two GEMMs (column and weight gradients) stage their chunks in
+    shared memory within the budget, except where a group's channels are too few to tile (the
+    seed and depthwise layers)."""
+    import concurrent.futures
+
+    from tvm_deform.runtime import kernels
+
+    target = targets.cuda_target(arch)
+
+    def build(layer):
+        name, shape = layer
+        quantum = schedules.backward_pixel_quantum(shape, target)
+        built = kernels.compile_backward(shape.any_size(), target, None, quantum=quantum)
+        source = "\n".join(m.inspect_source("cuda") for m in built.mod.imports if m.kind == "cuda")
+        return name, source, cuda_build.nvcc_build(source, arch)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        built_layers = list(pool.map(build, SUITE.items()))
+    for name, source, built in built_layers:
+        assert "atomic" not in source, name
+        assert not built.spills(), name
+        staged = [
+            int(m.group(1))
+            for m in re.finditer(r"(\d+) bytes smem", "\n".join(built.kernels.values()))
+        ]
+        if name == "seed" or name.startswith("depthwise"):  # 3 and 1 channels per group
+            assert not staged, name
+        else:
+            assert len(staged) == 2 and max(staged) <= STATIC_SHARED_MEMORY, (name, staged)
+        assert len(built.kernels) <= 14, (name, list(built.kernels))
 
 
 @needs_nvcc
