@@ -87,23 +87,43 @@ class BackwardCUDA(Rule):
             tiled.add("grad_columns")
         if "weight_sum" in names and self._weight_gradient(sch, target):
             tiled |= {"weight_sum", "grad_weight"}
-        # The derivative coefficients of a sampling gradient's thread (its four corners) are
-        # computed in that thread, in registers: a kernel and a round trip fewer.
-        local = {"grad_coef"} if {"grad_coef", "sampling_grad"} <= set(names) else set()
+        if "sampling_grad" in names:
+            self._sampling_gradient(sch)
+            tiled |= {"sampling_grad", "grad_coef"}
         for block, name in zip(blocks, names, strict=True):
-            if name not in tiled | local:
+            if name not in tiled:
                 thread_per_element(sch, block, self.threads, self.emulate)
-        if local:
-            coefficients, consumer = sch.get_sblock("grad_coef"), sch.get_sblock("sampling_grad")
-            reductions = sum(
-                1 for v in sch.get(consumer).iter_vars if v.iter_type == tirx.IterVar.CommReduce
-            )
-            sch.set_scope(coefficients, 0, "local")
-            depth = len(sch.get_loops(consumer)) - reductions
-            sch.compute_at(coefficients, sch.get_loops(consumer)[depth - 1])
-            for loop in sch.get_loops(coefficients)[depth:]:
-                sch.unroll(loop)
         return sch
+
+    def _sampling_gradient(self, sch: s_tir.Schedule) -> None:
+        """One thread per (image, offset group, tap, pixel) computes every term of its
+        sampling gradient (the mask's and the two coordinates'), so that the four corners of
+        each channel it runs through are read once for all of them; the derivative
+        coefficients are computed in the thread, in registers."""
+        block = sch.get_sblock("sampling_grad")
+        n, g, k, t, p, rc = sch.get_loops(block)
+        # Threads that divide the loops they spread over: a thread past the end would compute
+        # its coefficients from out-of-bounds reads (compute_at does not carry the
+        # consumer's predicate to them).
+        extents = [sch.get(loop).extent for loop in (n, g, k, p)]
+        if all(isinstance(extent, tirx.IntImm) for extent in extents):
+            threads = largest_divisor(math.prod(int(e) for e in extents), self.threads)
+        else:
+            threads = largest_divisor(_pixel_multiple(sch, p), self.threads)
+        sch.reorder(n, g, k, p, rc, t)
+        thread = spread(sch, [n, g, k, p], threads, self.emulate)
+        sums = sch.cache_write(block, 0, "local")
+        sch.reverse_compute_at(sums, thread)
+        coefficients = sch.get_sblock("grad_coef")
+        sch.set_scope(coefficients, 0, "local")
+        sch.compute_at(coefficients, thread)
+        thread_var = sch.get(thread).loop_var
+        loops = sch.get_loops(coefficients)
+        depth = 1 + next(i for i, x in enumerate(loops) if sch.get(x).loop_var.same_as(thread_var))
+        for loop in loops[depth:]:
+            sch.unroll(loop)
+        sch.unroll(t)
+        sch.decompose_reduction(block, rc)
 
     def _column_gradient(self, sch: s_tir.Schedule) -> bool:
         """Tile ``grad_columns``: rows a group's input channels, columns the pixels, the
@@ -229,18 +249,24 @@ class GradInputCUDA(Rule):
 
 def thread_per_element(sch: s_tir.Schedule, block, threads: int, emulate: bool) -> None:
     """Spread ``block``'s spatial loops (the outer ones, one per data-parallel iterator) over
-    thread blocks of ``threads`` threads, one element each; its reduction loops stay inside
-    each thread. With ``emulate``, the loops are split alike but not bound.
+    thread blocks of ``threads`` threads, one element each (see :func:`spread`); its reduction
+    loops stay inside each thread. With ``emulate``, the loops are split alike but not
+    bound."""
+    spatial = sum(1 for v in sch.get(block).iter_vars if v.iter_type == tirx.IterVar.DataPar)
+    loops = sch.get_loops(block)[:spatial]
+    if loops:
+        spread(sch, loops, threads, emulate)
+
+
+def spread(sch: s_tir.Schedule, loops: list, threads: int, emulate: bool):
+    """Spread the nest of ``loops`` over thread blocks of ``threads`` threads and return the
+    loop of the threads (``threadIdx.x``).
 
     The loops are fused into one, except in a kernel for any size whose last loop (the pixels)
     is the only symbolic one after the first (the images): there the pixels go along
     ``blockIdx.x`` and the threads, the static loops between along ``blockIdx.y`` and the first
     along ``blockIdx.z``, so that no index divides by a symbolic extent (which also makes
     TVM's lowering of such a kernel several times faster)."""
-    spatial = sum(1 for v in sch.get(block).iter_vars if v.iter_type == tirx.IterVar.DataPar)
-    loops = sch.get_loops(block)[:spatial]
-    if not loops:
-        return
     bind = _binder(sch, emulate)
     extents = [sch.get(loop).extent for loop in loops]
     static = [isinstance(extent, tirx.IntImm) for extent in extents]
@@ -253,11 +279,12 @@ def thread_per_element(sch: s_tir.Schedule, block, threads: int, emulate: bool) 
         if middle:
             bind(sch.fuse(*middle) if len(middle) > 1 else middle[0], "blockIdx.y")
         bind(first, "blockIdx.z")
-        return
+        return inner
     fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
     outer, inner = sch.split(fused, [None, threads])
     bind(outer, "blockIdx.x")
     bind(inner, "threadIdx.x")
+    return inner
 
 
 def gemm_tiles(

@@ -48,11 +48,13 @@ def run_forward(
     images = shape.batch
     if kernel is None:
         images = images_per_call(shape, device_target(input.device))
+    if images >= shape.batch:
+        _launch(shape, input, offset, weight, bias, mask, output, kernel)
+        return output
     for start in range(0, shape.batch, images):
         stop = min(start + images, shape.batch)
-        part = shape if images == shape.batch else dataclasses.replace(shape, batch=stop - start)
         _launch(
-            part,
+            dataclasses.replace(shape, batch=stop - start),
             input[start:stop],
             offset[start:stop],
             weight,
