@@ -12,19 +12,22 @@
     registers.
 
   Each thread accumulates a register block of 4 x 4 outputs; the reduction goes in chunks that
-  the block's threads first copy to shared memory (both operands). Every output is summed by
-  one thread in the definition's order, so the result does not depend on the tiling and is
-  the same bits on every run. A GEMM whose tile would straddle two weight groups (a grouped
+  the block's threads first copy to shared memory (both operands). Where the weight's tiles
+  alone would leave most of the GPU idle, its reduction over the pixels is split into parts,
+  each summed by thread blocks of their own, and a last kernel adds the parts in a fixed
+  order. Every sum (or part) is taken by one thread in the definition's order, so the result
+  is the same bits on every run. A GEMM whose tile would straddle two weight groups (a grouped
   layer with fewer channels per group than a tile; a depthwise layer has no product to tile)
   keeps one thread per element.
 
   The other stages (geometry, the sampling gradients, the recomputed columns, the bias's
   gradient) run as kernels of their own with one thread per output element; their reductions
   (over a group's channels for the sampling gradients, over the pixels for the bias's) run
-  inside the thread in a fixed order. A sampling gradient's thread computes its four
-  derivative coefficients in registers. Stages that are not arguments of the PrimFunc live in
-  scratch memory, which comes from torch's caching allocator (see
-  :mod:`tvm_deform.runtime.workspace`).
+  inside the thread in a fixed order. A sampling gradient's thread takes all three terms of
+  its (image, offset group, tap, pixel) (the mask's and the two coordinates'), reading each
+  channel's four corners once for them, and computes their derivative coefficients in
+  registers. Stages that are not arguments of the PrimFunc live in scratch memory, which comes
+  from torch's caching allocator (see :mod:`tvm_deform.runtime.workspace`).
 - ``GradInputCUDA`` for ``deform_conv2d_grad_input``, the scatter: one thread per (n, c)
   image plane, accumulating into a plane of its own in local memory (the definition's
   ``plane_scope="local"``) in the definition's order, then writing it out. Planes never share
@@ -40,6 +43,7 @@ from __future__ import annotations
 import math
 
 from tvm import s_tir, tirx
+from tvm.s_tir.schedule import LoopRV
 from tvm.target import Target
 from tvm_deform.schedules.common import largest_divisor
 from tvm_deform.schedules.cuda import SplitReductionCUDA
@@ -258,7 +262,7 @@ def thread_per_element(sch: s_tir.Schedule, block, threads: int, emulate: bool) 
         spread(sch, loops, threads, emulate)
 
 
-def spread(sch: s_tir.Schedule, loops: list, threads: int, emulate: bool):
+def spread(sch: s_tir.Schedule, loops: list, threads: int, emulate: bool) -> LoopRV:
     """Spread the nest of ``loops`` over thread blocks of ``threads`` threads and return the
     loop of the threads (``threadIdx.x``).
 

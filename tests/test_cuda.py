@@ -615,31 +615,45 @@ def test_cuda_gradients_match_torchvision_and_repeat_exactly(cfg):
         assert_close(a.cpu(), c.cpu(), 2e-5, f"grad_{name}")
 
 
+def emulated_backward(layer: ConvShape, sizes: str = "static", quantum: int | None = None):
+    """The CUDA backward rules' schedules of ``layer`` (``sizes`` as for
+    :func:`definition.backward`; for any size, the offset and mask read at a clamped pixel
+    index and the scatter's planes in a scratch buffer, as on a GPU), compiled for this CPU
+    without the thread bindings: (the gradients kernel's schedule, the kernels as the op
+    calls them)."""
+    from tvm_deform.schedules.cuda_backward import BackwardCUDA, GradInputCUDA
+
+    from tvm_deform.runtime.kernels import BackwardKernels
+
+    host, any_size = targets.host_target(), sizes == "symbolic"
+    quantum = quantum or definition.PIXEL_QUANTUM
+    func = definition.backward(layer, definition.ALL_GRADIENTS, sizes, quantum, not any_size)
+    gradients = BackwardCUDA(emulate=True).apply(func, host)
+    plane_scope = "workspace" if any_size else "global"
+    func = definition.grad_input(layer, plane_scope, sizes, quantum)
+    scatter = GradInputCUDA(emulate=True).apply(func, host)
+    symbol = "deform_conv2d_backward"
+    module = tvm.IRModule(
+        {
+            symbol: gradients.mod["main"].with_attr("global_symbol", symbol),
+            "deform_conv2d_grad_input": scatter.mod["main"],
+        }
+    )
+    built = tvm.compile(module, target=host)
+    kernels = BackwardKernels(
+        built[symbol], built["deform_conv2d_grad_input"], quantum, any_size, any_size
+    )
+    return gradients, kernels
+
+
 @pytest.mark.parametrize("cfg", CONFIGS[:8], ids=[f"cfg{i}" for i in range(8)])
 def test_emulated_cuda_backward_matches_torchvision(cfg):
     """The CUDA backward schedules' structure, without the thread bindings, run on the CPU:
     every gradient against torchvision's."""
-    from tvm_deform.schedules.cuda_backward import BackwardCUDA, GradInputCUDA
-
     from tvm_deform.binding.ops import run_backward
-    from tvm_deform.runtime.kernels import BackwardKernels
 
     shape = shape_of(cfg)
-    target = targets.host_target()
-    gradients = BackwardCUDA(emulate=True).apply(definition.backward(shape), target)
-    scatter = GradInputCUDA(emulate=True).apply(definition.grad_input(shape), target)
-    built = tvm.compile(
-        tvm.IRModule(
-            {
-                "deform_conv2d_backward": gradients.mod["main"].with_attr(
-                    "global_symbol", "deform_conv2d_backward"
-                ),
-                "deform_conv2d_grad_input": scatter.mod["main"],
-            }
-        ),
-        target=target,
-    )
-    compiled = BackwardKernels(built["deform_conv2d_backward"], built["deform_conv2d_grad_input"])
+    compiled = emulated_backward(shape)[1]
     args = make_inputs(cfg, torch.float32)
     grad_output = torch.randn(torchvision.ops.deform_conv2d(**args).shape, dtype=torch.float32)
     ours = run_backward(
@@ -668,33 +682,12 @@ def test_emulated_cuda_backward_for_any_size_matches_torchvision(dtype):
     gradient against torchvision's in float64 on the same (upcast) inputs, in float32 also
     against torchvision's own, and the same bits twice. Of the half types, bfloat16 only:
     float16 goes through the same casts (the CPU's backward tests both)."""
-    from tvm_deform.schedules.cuda_backward import BackwardCUDA, GradInputCUDA
-
     from tvm_deform.binding.ops import run_backward
-    from tvm_deform.runtime.kernels import BackwardKernels
 
     layer = ConvShape(0, 16, 0, 0, 24, 3, 3, 2, 1, 1, 1, 1, 2, offset_groups=2, has_bias=True)
     layer = dataclasses.replace(layer, dtype=dtype)
-    target = targets.host_target()
     quantum = schedules.backward_pixel_quantum(layer, targets.cuda_target("sm_90"))
-    # the offset and mask read at a clamped pixel index, as a GPU's kernels read them
-    func = definition.backward(layer, definition.ALL_GRADIENTS, "symbolic", quantum, False)
-    gradients = BackwardCUDA(emulate=True).apply(func, target)
-    func = definition.grad_input(layer, "workspace", "symbolic", quantum)
-    scatter = GradInputCUDA(emulate=True).apply(func, target)
-    symbol = "deform_conv2d_backward"
-    built = tvm.compile(
-        tvm.IRModule(
-            {
-                symbol: gradients.mod["main"].with_attr("global_symbol", symbol),
-                "deform_conv2d_grad_input": scatter.mod["main"],
-            }
-        ),
-        target=target,
-    )
-    compiled = BackwardKernels(
-        built[symbol], built["deform_conv2d_grad_input"], quantum, True, plane_workspace=True
-    )
+    compiled = emulated_backward(layer, "symbolic", quantum)[1]
     tolerance = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}[dtype]
     for batch, height, width in ((1, 7, 9), (2, 12, 5), (3, 1, 3)):
         shape = dataclasses.replace(layer, batch=batch, height=height, width=width)
@@ -725,44 +718,17 @@ def test_emulated_cuda_backward_gemms_at_full_tiles_match_float64(sizes):
     channels), the weight's reduction split into parts over the pixels, without the thread
     bindings on the CPU: the gradients against torchvision's in float64 on the same inputs, and
     the same bits twice."""
-    from tvm_deform.schedules.cuda_backward import BackwardCUDA, GradInputCUDA
-
     from tvm_deform.binding.ops import run_backward
-    from tvm_deform.runtime.kernels import BackwardKernels
 
     shape = ConvShape(1, 64, 32, 32, 64, 3, 3, 1, 1, 1, 1, 1, 1, has_bias=True)
-    gpu, host = targets.cuda_target("sm_90"), targets.host_target()
-    quantum = schedules.backward_pixel_quantum(shape, gpu)
+    quantum = schedules.backward_pixel_quantum(shape, targets.cuda_target("sm_90"))
     layer = shape if sizes == "static" else shape.any_size()
-    func = definition.backward(layer, definition.ALL_GRADIENTS, sizes, quantum, False)
-    rule = BackwardCUDA(emulate=True)
-    gradients = rule.apply(func, host)
+    gradients, compiled = emulated_backward(layer, sizes, quantum)
     names = {
         gradients.get(b).name_hint for b in gradients.get_child_blocks(gradients.get_sblock("root"))
     }
     assert "weight_sum_rf_update" in names  # split: 18 tiles of the weight's GEMM
     assert {"grad_columns_update", "weight_global", "columns_global"} <= names  # staged
-    plane_scope = "global" if sizes == "static" else "workspace"
-    scatter = GradInputCUDA(emulate=True).apply(
-        definition.grad_input(layer, plane_scope, sizes, quantum), host
-    )
-    symbol = "deform_conv2d_backward"
-    built = tvm.compile(
-        tvm.IRModule(
-            {
-                symbol: gradients.mod["main"].with_attr("global_symbol", symbol),
-                "deform_conv2d_grad_input": scatter.mod["main"],
-            }
-        ),
-        target=host,
-    )
-    compiled = BackwardKernels(
-        built[symbol],
-        built["deform_conv2d_grad_input"],
-        quantum,
-        sizes == "symbolic",
-        plane_workspace=sizes == "symbolic",
-    )
     inputs = random_inputs(shape)
     grad_output = torch.randn(shape.batch, shape.out_channels, shape.out_h, shape.out_w)
     arguments = [inputs[n] for n in ("input", "offset", "weight", "mask")]
