@@ -45,11 +45,12 @@ def run_forward(
     output = input.new_empty((shape.batch, shape.out_channels, shape.out_h, shape.out_w))
     if shape.batch == 0:
         return output
-    images = shape.batch
+    images, target = shape.batch, None
     if kernel is None:
-        images = images_per_call(shape, device_target(input.device))
+        target = device_target(input.device)
+        images = images_per_call(shape, target)
     if images >= shape.batch:
-        _launch(shape, input, offset, weight, bias, mask, output, kernel)
+        _launch(shape, input, offset, weight, bias, mask, output, kernel, target)
         return output
     for start in range(0, shape.batch, images):
         stop = min(start + images, shape.batch)
@@ -62,6 +63,7 @@ def run_forward(
             mask[start:stop] if mask is not None else None,
             output[start:stop],
             kernel,
+            target,
         )
     return output
 
@@ -91,14 +93,16 @@ def _launch(
     mask: torch.Tensor | None,
     output: torch.Tensor,
     kernel: kernels.Kernel | None,
+    target: Target | None,
 ) -> None:
-    """One call of the forward kernel into ``output``."""
+    """One call of the forward kernel into ``output``: ``kernel``, or the one dispatch picks
+    for ``target``."""
     cuda = input.device.type == "cuda"
     # A channels_last input on the CPU is read in place by a kernel that takes NHWC.
     nhwc = kernel is None and not cuda and is_channels_last(input)
     if kernel is None:
         layout = "NHWC" if nhwc else "NCHW"
-        kernel = kernels.get_kernel(shape, device_target(input.device), layout=layout)
+        kernel = kernels.get_kernel(shape, target, layout=layout)
     if not cuda:
         kernels.configure_threads(torch.get_num_threads())
     pixels = shape.out_h * shape.out_w
