@@ -449,8 +449,8 @@ def time_backward(
             row = {"layer": name, "dtype": "float32", "implementation": label}
             try:
                 leaves = {n: args[n].detach().clone().requires_grad_() for n in present}
-                dense = label == "conv2d (dense)"
-                used = [leaves[n] for n in present if not (dense and n in ("offset", "mask"))]
+                sampled = label != "conv2d (dense)"  # a dense conv has no offset nor mask
+                used = [leaves[n] for n in present if sampled or n not in ("offset", "mask")]
                 out = fn(**(args | leaves))
                 grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
                 grad = grad.to(out)
