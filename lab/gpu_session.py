@@ -13,8 +13,8 @@ call cut short keeps what was done; the exit code is non-zero if any step failed
 2. first kernel: the demo layer's default kernel builds, runs and matches torchvision (about a
    minute); if it does not, the session stops here;
 3. build: every kernel the later steps run (the suite and the checks' configurations, in each
-   dtype, with the fused, one-size and tensor-core kernels the timing adds where they apply),
-   compiled in parallel processes into the kernel cache;
+   dtype, with the fused, one-size and tensor-core kernels the timing adds where they apply,
+   and the backward's in float32), compiled in parallel processes into the kernel cache;
 4. check: random configurations against torchvision's CUDA ``deform_conv2d`` (float32, and
    float16/bfloat16 against float32 on the upcast inputs), the five gradients of a few against
    torchvision's and repeated to the bit, and a CUDA-graph capture on a side stream (fails if a
@@ -820,10 +820,13 @@ def build_kernels(shapes: list[ConvShape], device: str, workers: int | None = No
 
 
 def _build_one(shape: ConvShape, device: str) -> None:
-    """The default kernel of ``shape``, and the other schedules :func:`time_layers` times
-    beside it (fused, one size, tensor cores) where they apply."""
+    """The default kernel of ``shape``, the other schedules :func:`time_layers` times beside
+    it (fused, one size, tensor cores) where they apply, and in float32 the backward kernels
+    that :func:`check_gradients` and :func:`time_backward` run."""
     target = _target(device)
     kernels.get_kernel(shape, target, tuned=False)
+    if shape.dtype == "float32":
+        kernels.get_backward(shape, target, tuned=False)
     if compares_structures(target):
         _fused_kernel(shape, target)
         _one_size_kernel(shape, target)
