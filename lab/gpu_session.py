@@ -421,9 +421,7 @@ def speedup_over_torchvision(rows: list[dict], dtype: str = "float32") -> float 
     return geometric_mean(ratios) if ratios else None
 
 
-def time_backward(
-    layers: dict[str, ConvShape], device: str, runs: int = 10, on_row=lambda row: None
-) -> list[dict]:
+def time_backward(layers: dict[str, ConvShape], device: str, runs: int = 10) -> list[dict]:
     """Per layer, in float32: the backward alone (every gradient, through autograd, the
     forward's graph kept) of the public op, of torchvision's and of cuDNN's dense ``conv2d``
     (input, weight and bias gradients), medians of CUDA-event timings on the same inputs; our
@@ -472,7 +470,6 @@ def time_backward(
             except Exception as error:  # noqa: BLE001 - a failure is a result
                 row |= {"median_ms": None, "failure": repr(error)[:300]}
             rows.append(row)
-            on_row(row)
     return rows
 
 

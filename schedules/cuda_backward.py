@@ -68,8 +68,8 @@ class BackwardCUDA(Rule):
     #: the same along its columns (pixels of the column gradient, input channels of the
     #: weight's); pixels are padded to a multiple of every tile here
     column_tiles = ((16, 4), (16, 2), (8, 2), (4, 2), (2, 2), (2, 1))
-    #: reduction steps per shared-memory chunk, at most (a divisor of the reduction's extent
-    #: where it is static; the pixels, padded to a multiple of the quantum, take it whole)
+    #: reduction steps per shared-memory chunk, at most: a divisor of the reduction's extent
+    #: (over the pixels, of their padded count, or of the quantum it is a multiple of)
     chunk = 16
     #: the most parts the weight gradient's reduction over the pixels is split into, and the
     #: fewest pixels a part holds where the pixel count is known
