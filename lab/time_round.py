@@ -36,25 +36,36 @@ DTYPES = {
 }
 
 
+#: the PrimFunc parameters that are inputs (random); every other one is an output or a
+#: workspace (zeroed before each candidate runs)
+INPUTS = ("data", "offset", "mask", "weight", "bias", "grad_output")
+
+
 def inputs(workload: dict, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random arguments of the workload's PrimFunc (the output zeroed), as torch tensors."""
+    """Random arguments of the workload's PrimFunc (outputs and workspaces zeroed), as torch
+    tensors. A padded ``grad_output`` (the backward's) is zero past the output's pixels."""
     generator = torch.Generator().manual_seed(seed)
+    pixels = _out(workload["shape"], "h") * _out(workload["shape"], "w")
     found = {}
     for arg in workload["args"]:
-        shape, dtype = arg["shape"], DTYPES[arg["dtype"]]
+        shape, dtype, name = arg["shape"], DTYPES[arg["dtype"]], arg["name"]
         value = torch.randn(shape, generator=generator, dtype=torch.float64)
-        if arg["name"] == "offset":
+        if name == "offset":
             value = value * 2.0
-        elif arg["name"] == "mask":
+        elif name == "mask":
             value = torch.rand(shape, generator=generator, dtype=torch.float64)
-        elif arg["name"] == "output":
+        elif name == "grad_output":
+            value[..., pixels:] = 0.0
+        elif name not in INPUTS:
             value = torch.zeros(shape, dtype=torch.float64)
-        found[arg["name"]] = value.to(device=device, dtype=dtype)
+        found[name] = value.to(device=device, dtype=dtype)
     return found
 
 
-def reference(workload: dict, args: dict[str, torch.Tensor]) -> torch.Tensor:
-    """torchvision's output for the arguments (computed in float32 for half dtypes)."""
+def reference(workload: dict, args: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What torchvision computes for the arguments (in float32 for half dtypes), by the name
+    of the PrimFunc's buffer that holds it: the forward's output, or the backward's gradients
+    of the offset, mask, weight and bias."""
     import torchvision.ops
 
     shape = workload["shape"]
@@ -65,18 +76,36 @@ def reference(workload: dict, args: dict[str, torch.Tensor]) -> torch.Tensor:
         if args["data"].dtype in (torch.float16, torch.bfloat16)
         else (lambda t: t)
     )
-    mask = args.get("mask")
+    backward = workload.get("op", "forward") == "backward"
+    leaves = {
+        "offset": wide(args["offset"]).reshape(batch, -1, out_h, out_w),
+        "weight": wide(args["weight"]).reshape(shape["out_channels"], -1, kh, kw),
+    }
+    if "mask" in args:
+        leaves["mask"] = wide(args["mask"]).reshape(batch, -1, out_h, out_w)
+    if "bias" in args or (backward and "grad_bias" in args):
+        leaves["bias"] = wide(args.get("bias", torch.zeros_like(args["grad_bias"])))
+    if backward:
+        leaves = {name: value.detach().requires_grad_() for name, value in leaves.items()}
     result = torchvision.ops.deform_conv2d(
         wide(args["data"]),
-        wide(args["offset"]).reshape(batch, -1, out_h, out_w),
-        wide(args["weight"]).reshape(shape["out_channels"], -1, kh, kw),
-        wide(args["bias"]) if "bias" in args else None,
+        leaves["offset"],
+        leaves["weight"],
+        leaves.get("bias"),
         (shape["stride_h"], shape["stride_w"]),
         (shape["pad_h"], shape["pad_w"]),
         (shape["dilation_h"], shape["dilation_w"]),
-        None if mask is None else wide(mask).reshape(batch, -1, out_h, out_w),
+        leaves.get("mask"),
     )
-    return result.reshape(batch, shape["out_channels"], out_h * out_w)
+    if not backward:
+        return {"output": result.reshape(batch, shape["out_channels"], out_h * out_w)}
+    grad = wide(args["grad_output"])[..., : out_h * out_w].reshape(result.shape)
+    result.backward(grad)
+    return {
+        f"grad_{name}": value.grad.reshape(args[f"grad_{name}"].shape)
+        for name, value in leaves.items()
+        if f"grad_{name}" in args
+    }
 
 
 def _out(shape: dict, axis: str) -> int:
@@ -136,7 +165,8 @@ class LibraryCandidate:
     def __init__(self, directory: Path, entry: dict, args: dict[str, torch.Tensor]):
         import tvm
 
-        self.function = tvm.runtime.load_module(str(directory / entry["library"]))["deform_conv2d"]
+        module = tvm.runtime.load_module(str(directory / entry["library"]))
+        self.function = module[entry.get("function", "deform_conv2d")]
         self.values = list(args.values())
 
     def __call__(self) -> None:
@@ -190,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, workload in description["workloads"].items():
             args = inputs(workload, device)
             expected = reference(workload, args)
+            zeroed = [args[a["name"]] for a in workload["args"] if a["name"] not in INPUTS]
             tolerance = TOLERANCE[workload["shape"]["dtype"]]
             for entry in workload["candidates"]:
                 if (name, entry["id"]) in done or "error" in entry:
@@ -199,14 +230,16 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 line = {"workload": name, "id": entry["id"], "device": machine}
                 try:
-                    args["output"].zero_()
+                    for tensor in zeroed:
+                        tensor.zero_()
                     kind = CudaCandidate if cuda else LibraryCandidate
                     candidate = kind(options.round, entry, dict(args))
                     candidate()
                     candidate.synchronize()
-                    error = relative_error(args["output"], expected)
-                    if not error <= tolerance:
-                        raise ValueError(f"output differs from torchvision's: {error:.3g}")
+                    for buffer, value in expected.items():
+                        error = relative_error(args[buffer], value)
+                        if not error <= tolerance:
+                            raise ValueError(f"{buffer} differs from torchvision's: {error:.3g}")
                     line["run_secs"] = time_candidate(candidate, options.min_ms, options.repeats)
                 except Exception as failure:  # noqa: BLE001 - recorded, the next one runs
                     line["error"] = f"{type(failure).__name__}: {failure}"[:500]

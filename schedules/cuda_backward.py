@@ -47,15 +47,14 @@ from tvm.s_tir.schedule import LoopRV
 from tvm.target import Target
 from tvm_deform.schedules.common import largest_divisor
 from tvm_deform.schedules.cuda import SplitReductionCUDA
-from tvm_deform.schedules.rule import Rule
+from tvm_deform.schedules.rule import Choices, Rule
 
 #: the most thread blocks along a grid's ``y`` (and ``z``) axis
 GRID_Y = 65535
 
 
 class BackwardCUDA(Rule):
-    """The CUDA schedule of the gradients kernel (see the module docstring). Its space is the
-    default alone."""
+    """The CUDA schedule of the gradients kernel (see the module docstring)."""
 
     kernel = "backward"
     target_kind = "cuda"
@@ -71,6 +70,8 @@ class BackwardCUDA(Rule):
     #: reduction steps per shared-memory chunk, at most: a divisor of the reduction's extent
     #: (over the pixels, of their padded count, or of the quantum it is a multiple of)
     chunk = 16
+    #: what a design space samples: threads and registers along a tile's axis, chunk sizes
+    tile_threads, tile_registers, chunk_options = (4, 8, 16), (2, 4), (8, 16, 32)
     #: the most parts the weight gradient's reduction over the pixels is split into, and the
     #: fewest pixels a part holds where the pixel count is known
     max_parts, min_part_pixels = 16, 256
@@ -80,16 +81,34 @@ class BackwardCUDA(Rule):
 
     def apply(
         self, func: tirx.PrimFunc, target: Target, tunable: bool = False
-    ) -> s_tir.Schedule | None:
+    ) -> s_tir.Schedule | list[s_tir.Schedule] | None:
+        """The default schedule; as a design space (of a PrimFunc of one size), two: the
+        weight's reduction in one pass, and split into a sampled number of parts (where its
+        chunks can be split). Both sample the GEMMs' tiles and chunks among sizes that divide
+        their extents, starting at the default's."""
         sch = s_tir.Schedule(func)
-        blocks = sch.get_child_blocks(sch.get_sblock("root"))
-        names = [sch.get(block).name_hint for block in blocks]
+        names = _names(sch)
         if "sample_coef" not in names or "conv" in names:
             return None  # not the gradients kernel of the definition
+        if not tunable or not _static(sch):
+            return self._schedule(sch, target, Choices(sch, False))
+        spaces = [self._schedule(sch, target, Choices(sch, True), parts=1)]
+        split = s_tir.Schedule(func)
+        if "weight_sum" in names and self._weight_tiles(split) and self._part_candidates(split):
+            spaces.append(self._schedule(split, target, Choices(split, True), parts="sampled"))
+        return spaces
+
+    def _schedule(
+        self, sch: s_tir.Schedule, target: Target, choose: Choices, parts: int | str | None = None
+    ) -> s_tir.Schedule:
+        """Lay out every stage of ``sch``; ``parts`` of the weight's reduction: None for
+        :meth:`parts`' choice, an int, or ``"sampled"`` (a sampled choice of at least 2)."""
+        blocks = sch.get_child_blocks(sch.get_sblock("root"))
+        names = _names(sch)
         tiled = set()
-        if "grad_columns" in names and self._column_gradient(sch):
+        if "grad_columns" in names and self._column_gradient(sch, choose):
             tiled.add("grad_columns")
-        if "weight_sum" in names and self._weight_gradient(sch, target):
+        if "weight_sum" in names and self._weight_gradient(sch, target, choose, parts):
             tiled |= {"weight_sum", "grad_weight"}
         if "sampling_grad" in names:
             self._sampling_gradient(sch)
@@ -129,43 +148,58 @@ class BackwardCUDA(Rule):
         sch.unroll(t)
         sch.decompose_reduction(block, rc)
 
-    def _column_gradient(self, sch: s_tir.Schedule) -> bool:
+    def _column_gradient(self, sch: s_tir.Schedule, choose: Choices) -> bool:
         """Tile ``grad_columns``: rows a group's input channels, columns the pixels, the
         reduction a group's output channels. False (untouched) where a tile of rows would
         straddle two groups, or no tile of columns divides the padded pixels."""
         weight_in, out_per_group = _groups(sch)
         block = sch.get_sblock("grad_columns")
         n, c, k, p, ro = sch.get_loops(block)
-        rows = _tile(self.row_tiles, weight_in)
-        columns = _tile(self.column_tiles, _pixel_multiple(sch, p))
+        rows = self._tile(choose, self.row_tiles, weight_in)
+        columns = self._tile(choose, self.column_tiles, _pixel_multiple(sch, p))
         if rows is None or columns is None:
             return False
         sch.reorder(n, k, c, p, ro)
-        chunks = sch.split(ro, [None, largest_divisor(out_per_group, self.chunk)])
+        chunks = sch.split(ro, [None, self._chunk(choose, out_per_group)])
         gemm_tiles(sch, block, [n, k], c, p, chunks, rows, columns, self.emulate)
         return True
 
-    def _weight_gradient(self, sch: s_tir.Schedule, target: Target) -> bool:
+    def _weight_gradient(
+        self, sch: s_tir.Schedule, target: Target, choose: Choices, parts: int | str | None
+    ) -> bool:
         """Tile ``weight_sum``: rows a group's output channels, columns its input channels,
         the reduction the images and pixels (in chunks that divide the padded pixels), split
-        into :meth:`parts` over the chunks where the tiles alone would leave most of the GPU
-        idle. Without a split, ``grad_weight`` (the cast) is written from the registers; with
-        one, the partial sums go to scratch memory and a last kernel adds them in order and
-        casts, one thread per weight. False (untouched) where a tile of rows would straddle
-        two groups, or a group has too few input channels for a tile of columns."""
+        into ``parts`` (see :meth:`_schedule`) over the chunks where the tiles alone would
+        leave most of the GPU idle. Without a split, ``grad_weight`` (the cast) is written
+        from the registers; with one, the partial sums go to scratch memory and a last kernel
+        adds them in order and casts, one thread per weight. False (untouched) where a tile of
+        rows would straddle two groups, or a group has too few input channels for a tile of
+        columns."""
         weight_in, out_per_group = _groups(sch)
-        rows = _tile(self.row_tiles, out_per_group)
-        columns = _tile(self.column_tiles, weight_in)
-        if rows is None or columns is None:
+        defaults = self._weight_tiles(sch)
+        if defaults is None:
             return False
+        rows = self._tile(choose, self.row_tiles, out_per_group)
+        columns = self._tile(choose, self.column_tiles, weight_in)
         block = sch.get_sblock("weight_sum")
         o, c, k, n, p = sch.get_loops(block)
-        chunk = largest_divisor(_pixel_multiple(sch, p), self.chunk)
+        pixels = _pixel_multiple(sch, p)
+        if parts is None or parts == "sampled":
+            tiles = int(sch.get(k).extent) * int(sch.get(o).extent) // math.prod(defaults[0])
+            tiles *= weight_in // math.prod(defaults[1])
+            extent = sch.get(p).extent
+            known = isinstance(extent, tirx.IntImm)
+            chunk = largest_divisor(pixels, self.chunk)
+            default = self.parts(tiles, int(extent) // chunk if known else None, chunk, target)
+            if parts is None:
+                parts = default
+            else:
+                parts = choose(self._part_candidates(sch), default, lambda value: value > 1)
+        # A split reduction keeps the default's chunk: its parts must divide the chunks.
+        one_pass = isinstance(parts, int) and parts == 1
+        chunk = self._chunk(choose, pixels) if one_pass else largest_divisor(pixels, self.chunk)
         chunks, p = sch.split(p, [None, chunk])
-        tiles = int(sch.get(k).extent) * int(sch.get(o).extent) // (rows[0] * rows[1])
-        tiles *= weight_in // (columns[0] * columns[1])
-        parts = self.parts(tiles, sch.get(chunks).extent, chunk, target)
-        if parts == 1:
+        if one_pass:
             sch.reorder(k, o, c, n, chunks, p)
             consumer = sch.get_sblock("grad_weight")
             gemm_tiles(sch, block, [k], o, c, [n, chunks, p], rows, columns, self.emulate, consumer)
@@ -181,21 +215,69 @@ class BackwardCUDA(Rule):
         sch.compute_at(block, sch.get_loops(cast)[-1])
         return True
 
-    def parts(self, tiles: int, chunks, chunk: int, target: Target) -> int:
+    def _weight_tiles(self, sch: s_tir.Schedule):
+        """The default's (rows, columns) tiles of the weight gradient's GEMM, each (threads,
+        registers); None where it is not tiled."""
+        weight_in, out_per_group = _groups(sch)
+        rows, columns = _tile(self.row_tiles, out_per_group), _tile(self.column_tiles, weight_in)
+        return None if rows is None or columns is None else (rows, columns)
+
+    def _tile(self, choose: Choices, tiles: tuple[tuple[int, int], ...], extent: int):
+        """A GEMM tile (threads, registers) along an axis of ``extent``: untuned the first of
+        ``tiles`` that divides it (None where none does); in a design space, sampled among
+        powers of two of which every pairing divides ``extent``, so that no tile needs a
+        predicate."""
+        default = _tile(tiles, extent)
+        if default is None:
+            return None
+        threads, registers = default
+        thread_options = [t for t in self.tile_threads if extent % (t * registers) == 0]
+        most = max([threads, *thread_options])
+        register_options = [r for r in self.tile_registers if extent % (most * r) == 0]
+        return choose(thread_options, threads), choose(register_options, registers)
+
+    def _chunk(self, choose: Choices, extent: int):
+        """The reduction steps per shared-memory chunk of a reduction of ``extent`` steps (or
+        a multiple of it): the default's, or sampled among the divisors of ``extent``."""
+        options = [c for c in self.chunk_options if extent % c == 0]
+        return choose(options, largest_divisor(extent, self.chunk))
+
+    def _part_candidates(self, sch: s_tir.Schedule) -> list[int]:
+        """The parts a design space samples for the weight gradient of ``sch`` (of one size,
+        unscheduled): powers of two from 2 to ``max_parts`` that divide an image's chunks of
+        pixels (at the default's chunk)."""
+        p = sch.get_loops(sch.get_sblock("weight_sum"))[-1]
+        extent = int(sch.get(p).extent)
+        chunks = extent // largest_divisor(extent, self.chunk)
+        return [2**i for i in range(1, self.max_parts.bit_length()) if chunks % 2**i == 0]
+
+    def parts(self, tiles: int, chunks: int | None, chunk: int, target: Target) -> int:
         """The parts the weight gradient's reduction over ``chunks`` chunks of ``chunk``
-        pixels (per image; symbolic for a kernel for any size) is split into, for ``tiles``
+        pixels (per image; None for a kernel for any size) is split into, for ``tiles``
         thread blocks of its GEMM: the fewest (a power of two, at most ``max_parts``) that
         give the blocks that fill ``target``'s GPU; where the chunks are known, parts that
         divide them into at least ``min_part_pixels`` pixels each."""
         wanted = SplitReductionCUDA().blocks_wanted(target)
         parts = 1
         while tiles * parts < wanted and parts * 2 <= self.max_parts:
-            if isinstance(chunks, tirx.IntImm):
-                per_part, remainder = divmod(int(chunks), parts * 2)
+            if chunks is not None:
+                per_part, remainder = divmod(chunks, parts * 2)
                 if remainder or per_part * chunk < self.min_part_pixels:
                     break
             parts *= 2
         return parts
+
+
+def _names(sch: s_tir.Schedule) -> list[str]:
+    """The names of the blocks at the root of ``sch``, in order."""
+    return [sch.get(block).name_hint for block in sch.get_child_blocks(sch.get_sblock("root"))]
+
+
+def _static(sch: s_tir.Schedule) -> bool:
+    """Whether ``sch``'s PrimFunc is of one size (every loop's extent known)."""
+    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    loops = [loop for block in blocks for loop in sch.get_loops(block)]
+    return all(isinstance(sch.get(loop).extent, tirx.IntImm) for loop in loops)
 
 
 def _groups(sch: s_tir.Schedule) -> tuple[int, int]:

@@ -615,12 +615,17 @@ def test_cuda_gradients_match_torchvision_and_repeat_exactly(cfg):
         assert_close(a.cpu(), c.cpu(), 2e-5, f"grad_{name}")
 
 
-def emulated_backward(layer: ConvShape, sizes: str = "static", quantum: int | None = None):
+def emulated_backward(
+    layer: ConvShape,
+    sizes: str = "static",
+    quantum: int | None = None,
+    gradients: s_tir.Schedule | None = None,
+):
     """The CUDA backward rules' schedules of ``layer`` (``sizes`` as for
     :func:`definition.backward`; for any size, the offset and mask read at a clamped pixel
     index and the scatter's planes in a scratch buffer, as on a GPU), compiled for this CPU
     without the thread bindings: (the gradients kernel's schedule, the kernels as the op
-    calls them)."""
+    calls them). ``gradients``: that schedule, if not the default's."""
     from tvm_deform.schedules.cuda_backward import BackwardCUDA, GradInputCUDA
 
     from tvm_deform.runtime.kernels import BackwardKernels
@@ -628,7 +633,7 @@ def emulated_backward(layer: ConvShape, sizes: str = "static", quantum: int | No
     host, any_size = targets.host_target(), sizes == "symbolic"
     quantum = quantum or definition.PIXEL_QUANTUM
     func = definition.backward(layer, definition.ALL_GRADIENTS, sizes, quantum, not any_size)
-    gradients = BackwardCUDA(emulate=True).apply(func, host)
+    gradients = gradients or BackwardCUDA(emulate=True).apply(func, host)
     plane_scope = "workspace" if any_size else "global"
     func = definition.grad_input(layer, plane_scope, sizes, quantum)
     scatter = GradInputCUDA(emulate=True).apply(func, host)
@@ -749,6 +754,65 @@ def test_emulated_cuda_backward_gemms_at_full_tiles_match_float64(sizes):
     ):
         assert torch.equal(value, repeat), name
         assert_close(value, theirs[name], 2e-5, f"grad_{name}")
+
+
+def torchvision_gradients(shape: ConvShape, inputs: dict, grad_output, dtype=None) -> dict:
+    """torchvision's gradients of every input of ``inputs`` but the data, in ``dtype``."""
+    inputs = {n: None if v is None else v.detach().to(dtype, copy=True) for n, v in inputs.items()}
+    names = ["offset", "weight", "bias", "mask"]
+    leaves = {n: inputs[n].requires_grad_() for n in names if inputs[n] is not None}
+    out = torchvision.ops.deform_conv2d(**(inputs | leaves), **conv_kwargs(shape))
+    grads = torch.autograd.grad(out, list(leaves.values()), grad_output.to(out.dtype))
+    return dict(zip(leaves, grads, strict=True))
+
+
+def test_random_points_of_the_cuda_backward_spaces_match_torchvision():
+    """What a tuning round may propose for the backward computes torchvision's gradients:
+    random tiles, chunks and parts of both design spaces (the weight's reduction in one pass
+    and split), emulated on the CPU, the same bits twice."""
+    from tvm_deform.schedules.cuda_backward import BackwardCUDA
+
+    from tvm_deform.binding.ops import run_backward
+
+    shape = ConvShape(1, 32, 9, 9, 32, 3, 3, pad_h=1, pad_w=1, offset_groups=2, has_bias=True)
+    func = definition.backward(shape)  # 81 pixels, padded to 128
+    points = random_points(func, BackwardCUDA(emulate=True), targets.host_target(), 3)
+    assert len(points) == 6  # two spaces, three points each
+    decided = {
+        (i // 3, *(int(v) for v in p.trace.decisions.values())) for i, p in enumerate(points)
+    }
+    assert len(decided) == 6
+    inputs = random_inputs(shape)
+    grad_output = torch.randn(shape.batch, shape.out_channels, shape.out_h, shape.out_w)
+    theirs = torchvision_gradients(shape, inputs, grad_output, torch.float64)
+    arguments = [inputs[n] for n in ("input", "offset", "weight", "mask")]
+    for sch in points:
+        compiled = emulated_backward(shape, gradients=sch)[1]
+        ours = run_backward(shape, grad_output, *arguments, compiled)
+        assert all(map(torch.equal, ours, run_backward(shape, grad_output, *arguments, compiled)))
+        for name, value in zip(["input", "offset", "mask", "weight", "bias"], ours, strict=True):
+            if name in theirs:
+                assert_close(value, theirs[name], 2e-5, f"grad_{name}")
+
+
+@needs_nvcc
+def test_random_points_of_the_cuda_backward_spaces_build_for_the_gpu():
+    """Random points of both backward spaces of a suite layer build with nvcc: no spills, no
+    atomics, both GEMMs staged in shared memory within the budget."""
+    from tvm_deform.schedules.cuda_backward import BackwardCUDA
+
+    from tvm_deform.runtime.kernels import compile_schedule
+
+    target = targets.cuda_target("sm_90", 132)
+    shape = SUITE["r50dcn320_c4_256x20x20"]
+    for sch in random_points(definition.backward(shape), BackwardCUDA(), target, 2):
+        module = compile_schedule(sch, target)
+        source = "\n".join(m.inspect_source("cuda") for m in module.mod.imports)
+        assert "atomic" not in source
+        built = cuda_build.nvcc_build(source, "sm_90")
+        assert not built.spills()
+        staged = re.findall(r"(\d+) bytes smem", "\n".join(built.kernels.values()))
+        assert len(staged) == 2 and max(map(int, staged)) <= STATIC_SHARED_MEMORY
 
 
 @needs_nvcc

@@ -382,7 +382,8 @@ def run_tune_round(args: argparse.Namespace) -> int:
         raise SystemExit("--multiprocessors goes with --arch")
     else:
         target = targets.host_target()
-    path = rounds.propose(workloads, target, args.work_dir, args.out, args.count, args.seed)
+    ops = OPS if args.op == "all" else (args.op,)
+    path = rounds.propose(workloads, target, args.work_dir, args.out, args.count, args.seed, ops)
     size = sum(f.stat().st_size for f in Path(args.out).iterdir() if f.is_file())
     print(f"{path}: {size / 2**20:.1f} MiB; time it with lab/time_round.py {args.out}")
     return 0
@@ -396,11 +397,13 @@ def run_tune_ingest(args: argparse.Namespace) -> int:
     summary = rounds.ingest(round_file, args.results, args.work_dir)
     if args.logs_dir:
         described = json.loads(round_file.read_text())
-        workloads = {n: ConvShape(**w["shape"]) for n, w in described["workloads"].items()}
+        entries = described["workloads"]
+        workloads = {w.get("name", n): ConvShape(**w["shape"]) for n, w in entries.items()}
+        ops = sorted({w.get("op", "forward") for w in entries.values()}, key=OPS.index)
         device = next((s.device for s in summary if s.device), None)
         target = Target(described["target"])
         write_pruned_logs(
-            args.work_dir, args.logs_dir, workloads, [rounds.SPACE], target, cpu=device
+            args.work_dir, args.logs_dir, workloads, [rounds.SPACE], target, ops, cpu=device
         )
         print(f"pruned logs of {targets.hardware_key(target)} written to {args.logs_dir}")
     return 0
@@ -616,7 +619,13 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[_parent("suite", "workload", "shape")],
         help="propose and build a round of candidates to time elsewhere (lab/time_round.py)",
     )
-    round_.add_argument("--count", type=int, default=32, help="candidates per workload")
+    round_.add_argument("--count", type=int, default=32, help="candidates per workload and op")
+    round_.add_argument(
+        "--op",
+        choices=("forward", "backward", "all"),
+        default="forward",
+        help="the kernels proposed: the forward's, the backward's gradients kernel, or both",
+    )
     round_.add_argument("--arch", help="a CUDA arch (sm_90); default: this machine's CPU")
     round_.add_argument(
         "--multiprocessors", type=int, help="the GPU's multiprocessors (132 on an H100 SXM)"

@@ -30,6 +30,7 @@ import os
 import re
 import time
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 
 import tvm
@@ -44,7 +45,7 @@ from tvm_deform.runtime.kernels import compile_schedule
 from tvm_deform.runtime.records import workload_module
 from tvm_deform.schedules.common import tensor_intrinsics
 from tvm_deform.tools import cuda_build
-from tvm_deform.tools.tuning import RuleSpaces, database
+from tvm_deform.tools.tuning import RuleSpaces, database, label
 
 #: the round's description in a round directory
 ROUND_FILE = "round.json"
@@ -150,19 +151,19 @@ def _model_path(work_dir: Path, target: Target) -> Path:
     return Path(work_dir) / targets.hardware_key(target) / MODEL_FILE
 
 
-def _context(shape: ConvShape, target: Target, seed: int) -> ms.TuneContext:
+def _context(shape: ConvShape, target: Target, seed: int, op: str = "forward") -> ms.TuneContext:
     tensor_intrinsics()  # TuneContext imports them too: here the fast way first
-    return _new_context(shape, target, seed)
+    return _new_context(shape, target, seed, op)
 
 
-def _new_context(shape: ConvShape, target: Target, seed: int) -> ms.TuneContext:
+def _new_context(shape: ConvShape, target: Target, seed: int, op: str) -> ms.TuneContext:
     return ms.TuneContext(
-        mod=workload_module(shape),
+        mod=workload_module(shape, op),
         target=target,
         # The spaces are the rules' own: MetaSchedule's schedule rules are not used (the CUDA
         # ones would need the tensor intrinsics registered), its checks and mutators are.
         space_generator=ms.space_generator.ScheduleFn(
-            RuleSpaces("forward", target),
+            RuleSpaces(op, target),
             sch_rules=[],
             postprocs=ms.postproc.Postproc.create(target.kind.name),
             mutator_probs=ms.mutator.Mutator.create(target.kind.name),
@@ -183,10 +184,13 @@ def propose(
     out_dir: str | os.PathLike,
     count: int,
     seed: int = 0,
+    ops: Iterable[str] = ("forward",),
     progress=print,
 ) -> Path:
-    """Write a round of ``count`` new candidates per workload (see the module docstring) to
-    ``out_dir`` and return the path of its ``round.json``."""
+    """Write a round of ``count`` new candidates per workload and op of ``ops`` ("forward",
+    "backward": the gradients kernel; see the module docstring) to ``out_dir`` and return the
+    path of its ``round.json``, whose workloads are named as :func:`.tuning.label` names
+    them."""
     work_dir, out_dir = Path(work_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     key = targets.hardware_key(target)
@@ -200,9 +204,9 @@ def propose(
         "ranked_by_model": trained,
         "workloads": {},
     }
-    for name, shape in workloads.items():
+    for (name, shape), op in ((item, op) for item in workloads.items() for op in ops):
         started = time.monotonic()
-        context = _context(shape, target, seed)
+        context = _context(shape, target, seed, op)
         strategy = context.search_strategy
         strategy.pre_tuning(
             max_trials=count,
@@ -211,21 +215,24 @@ def propose(
             database=db,
             cost_model=model,
         )
-        candidates = _new(strategy.generate_measure_candidates() or [], db, shape)
+        candidates = _new(strategy.generate_measure_candidates() or [], db, shape, op)
         strategy.post_tuning()
         scores = list(model.predict(context, candidates)) if trained and candidates else []
         searched = time.monotonic()
-        entries = _build_all(name, candidates, target, out_dir)
+        stem = name if op == "forward" else f"{name}-{op}"
+        entries = _build_all(stem, candidates, target, out_dir)
         for entry, score in zip(entries, scores, strict=False):
             entry["predicted"] = float(score)
-        description["workloads"][name] = {
+        description["workloads"][label(name, op)] = {
+            "name": name,
+            "op": op,
             "shape": dataclasses.asdict(shape),
-            "args": _args(shape),
+            "args": _args(shape, op),
             "candidates": entries,
         }
         built = sum(1 for e in entries if "error" not in e)
         progress(
-            f"[{name}] {len(candidates)} candidates "
+            f"[{label(name, op)}] {len(candidates)} candidates "
             + ("ranked by the cost model" if trained else "at random (no model yet)")
             + f" in {searched - started:.1f} s, {built} built in "
             f"{time.monotonic() - searched:.1f} s"
@@ -235,10 +242,10 @@ def propose(
     return path
 
 
-def _new(candidates: list, db: ms.database.Database, shape: ConvShape) -> list:
+def _new(candidates: list, db: ms.database.Database, shape: ConvShape, op: str) -> list:
     """``candidates`` less those already in ``db`` or twice in the list (the search proposes
     a measured one again once a small space has few left)."""
-    mod = workload_module(shape)
+    mod = workload_module(shape, op)
     seen = set()
     if db.has_workload(mod):
         for record in db.get_all_tuning_records():
@@ -253,9 +260,9 @@ def _new(candidates: list, db: ms.database.Database, shape: ConvShape) -> list:
     return fresh
 
 
-def _args(shape: ConvShape) -> list[dict]:
+def _args(shape: ConvShape, op: str) -> list[dict]:
     """The PrimFunc's parameters, in order: name, shape and dtype."""
-    func = workload_module(shape)["main"]
+    func = workload_module(shape, op)["main"]
     return [
         {"name": str(param.name), "shape": [int(d) for d in info.shape], "dtype": str(info.dtype)}
         for param, info in zip(func.params, ms.arg_info.ArgInfo.from_prim_func(func), strict=True)
@@ -309,7 +316,7 @@ def export_candidate(sch: s_tir.Schedule, target: Target, out_dir: Path, stem: s
         }
     library = out_dir / f"{stem}.so"
     compile_schedule(sch, target).export_library(str(library))
-    return {"library": library.name}
+    return {"library": library.name, "function": str(sch.mod["main"].attrs["global_symbol"])}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,9 +357,9 @@ def ingest(
     model = cost_model(work_dir, target, max(1, len(first["candidates"])))
     summary = []
     for name, workload in description["workloads"].items():
-        shape = ConvShape(**workload["shape"])
-        mod = workload_module(shape)
-        context = _context(shape, target, 0)
+        shape, op = ConvShape(**workload["shape"]), workload.get("op", "forward")
+        mod = workload_module(shape, op)
+        context = _context(shape, target, 0, op)
         committed = db.commit_workload(mod)
         candidates, results, best, failed = [], [], None, 0
         for entry in workload["candidates"]:

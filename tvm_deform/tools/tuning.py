@@ -70,10 +70,7 @@ SPACES = ("handwritten", "generic")
 def spaces_for(target: Target, op: str) -> tuple[str, ...]:
     """The design spaces ``op`` is tuned in on ``target``'s kind. MetaSchedule's generic space
     is not offered for the backward kernel, whose nine stages (two GEMMs, gathers and an
-    rfactor-ed reduction) its rules do not schedule sensibly; the CUDA backward's rule offers
-    its default alone (its GEMM tiles are not yet sampled choices)."""
-    if target.kind.name == "cuda":
-        return SPACES if op == "forward" else ()
+    rfactor-ed reduction) its rules do not schedule sensibly."""
     return SPACES if op == "forward" else ("handwritten",)
 
 
