@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -126,36 +127,74 @@ def test_a_wrong_candidate_is_recorded_as_failed(tmp_path):
     assert len(records(work / targets.hardware_key(target) / rounds.SPACE, LAYER)) == 1
 
 
+def test_a_backward_round_checks_every_gradient_and_ships_its_records(tmp_path):
+    # The backward's gradients kernel in a round: the measuring script checks the offset's,
+    # mask's, weight's and bias's gradients against torchvision's (a candidate of another
+    # layer fails), and the ingest's pruned logs hold the backward's records.
+    target = targets.host_target()
+    work = tmp_path / "work"
+    argv = ["tune-round", "--shape", json.dumps(dataclasses.asdict(LAYER)), "--op", "backward"]
+    argv += ["--count", "2", "--work-dir", str(work), "--out", str(tmp_path / "round")]
+    assert main([*argv, "--seed", "4"]) == 0
+    described = json.loads((tmp_path / "round" / rounds.ROUND_FILE).read_text())
+    ((name, workload),) = described["workloads"].items()
+    assert name.endswith(":backward") and workload["op"] == "backward"
+    names = [a["name"] for a in workload["args"]]
+    assert {"grad_output", "grad_offset", "grad_mask", "grad_weight", "grad_bias"} <= set(names)
+    entries = workload["candidates"]
+    assert len(entries) == 2 and all(e["function"] == "deform_conv2d_backward" for e in entries)
+    dilated = ConvShape(1, 16, 10, 10, 32, 3, 3, pad_h=2, pad_w=2, dilation_h=2, dilation_w=2,
+                        has_bias=True)  # fmt: skip
+    rounds.propose({"x": dilated}, target, tmp_path / "w2", tmp_path / "other", 1, ops=["backward"])
+    library = next((tmp_path / "other").glob("*.so"))
+    shutil.copy(library, tmp_path / "round" / entries[1]["library"])
+    time_round(tmp_path / "round", tmp_path / "results.jsonl")
+    lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert "run_secs" in lines[0], lines[0]
+    assert re.search(r"grad_\w+ differs from torchvision", lines[1]["error"])
+    logs = tmp_path / "logs"
+    argv = ["tune-ingest", str(tmp_path / "round"), str(tmp_path / "results.jsonl")]
+    assert main([*argv, "--work-dir", str(work), "--logs-dir", str(logs)]) == 0
+    key = targets.hardware_key(target)
+    assert len(records(logs / key / rounds.SPACE, LAYER, "backward")) == 1
+    assert not records(logs / key / rounds.SPACE, LAYER)  # no forward was proposed
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_a_cuda_round_holds_cubins_and_the_launches_that_run_them(tmp_path, capsys):
     layer = ConvShape(1, 64, 10, 10, 64, 3, 3, pad_h=1, pad_w=1, has_bias=True)
     argv = ["tune-round", "--shape", json.dumps(dataclasses.asdict(layer))]
     argv += ["--arch", "sm_90", "--multiprocessors", "132", "--count", "4"]
     argv += ["--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "round")]
-    assert main(argv) == 0
+    assert main([*argv, "--op", "all"]) == 0
     assert "MiB" in capsys.readouterr().out
     described = json.loads((tmp_path / "round" / rounds.ROUND_FILE).read_text())
     assert described["kind"] == "cuda"
-    (workload,) = described["workloads"].values()
-    assert workload["shape"]["in_channels"] == layer.in_channels
-    assert [a["name"] for a in workload["args"]] == [
+    forward, backward = described["workloads"].values()
+    assert forward["shape"]["in_channels"] == layer.in_channels
+    assert [a["name"] for a in forward["args"]] == [
         "data", "offset", "mask", "weight", "bias", "output",
     ]  # fmt: skip
-    names = {a["name"] for a in workload["args"]}
-    for entry in workload["candidates"]:
-        assert "error" not in entry, entry.get("error")
-        cubin = (tmp_path / "round" / entry["cubin"]).read_bytes()
-        assert cubin[:4] == b"\x7fELF"
-        for launch in entry["launches"]:
-            assert launch["kernel"].encode() in cubin
-            assert launch["kernel"] in entry["resources"]
-            # Every buffer argument is a parameter or a scratch buffer of the plan.
-            assert {a for a in launch["args"] if isinstance(a, str)} <= names | set(
-                entry["scratch"]
-            )
-            threads = launch["block"][0] * launch["block"][1] * launch["block"][2]
-            assert 1 <= threads <= 1024 and min(launch["grid"]) >= 1
-        assert entry["launches"][-1]["args"].count("output") == 1
+    assert backward["op"] == "backward"
+    for workload in (forward, backward):
+        names = {a["name"] for a in workload["args"]}
+        written = set()
+        for entry in workload["candidates"]:
+            assert "error" not in entry, entry.get("error")
+            cubin = (tmp_path / "round" / entry["cubin"]).read_bytes()
+            assert cubin[:4] == b"\x7fELF"
+            for launch in entry["launches"]:
+                assert launch["kernel"].encode() in cubin
+                assert launch["kernel"] in entry["resources"]
+                # Every buffer argument is a parameter or a scratch buffer of the plan.
+                buffers = {a for a in launch["args"] if isinstance(a, str)}
+                assert buffers <= names | set(entry["scratch"])
+                written |= buffers
+                threads = launch["block"][0] * launch["block"][1] * launch["block"][2]
+                assert 1 <= threads <= 1024 and min(launch["grid"]) >= 1
+        outputs = {n for n in names if n == "output" or n.startswith("grad_")}
+        assert outputs <= written
+    assert forward["candidates"][0]["launches"][-1]["args"].count("output") == 1
 
 
 def test_the_measuring_script_launches_a_cuda_plan_as_written(tmp_path, monkeypatch):

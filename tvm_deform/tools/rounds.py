@@ -4,10 +4,11 @@ another, learned from here.
 A GPU may be lent for minutes at a time, without TVM on it and with little room to bring files.
 So a round of tuning is split in three steps, each a command:
 
-1. :func:`propose` (here, no GPU needed): for each workload, MetaSchedule's evolutionary search
-   proposes ``count`` new candidates from the design spaces, ranked by the cost model of the
-   earlier rounds (an XGBoost model, saved in the work directory, whose ``num_warmup_samples``
-   is one round so that it ranks from the second round on). Each candidate is built: for a
+1. :func:`propose` (here, no GPU needed): for each workload and op (the forward, the
+   backward's gradients kernel), MetaSchedule's evolutionary search proposes ``count`` new
+   candidates from the design spaces, ranked by the cost model of the earlier rounds (an
+   XGBoost model, saved in the work directory, whose ``num_warmup_samples`` is one round so
+   that it ranks from the second round on). Each candidate is built: for a
    CUDA target, its kernels into a cubin with nvcc, with the launch plan the host code would
    run (each kernel's arguments, grid, block and shared memory, and the scratch buffers); for
    an LLVM target (the rehearsal on a CPU), into a shared library. The round directory holds
