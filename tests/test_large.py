@@ -137,6 +137,7 @@ def test_a_gpu_call_whose_columns_pass_the_budget_takes_chunks_of_images():
     per_image = 128 * 9 * c3.out_h * c3.out_w * 4  # about 77 MB
     gpu = targets.cuda_target("sm_90")
     assert calls.images_per_call(c3, gpu) == calls.COLUMN_BYTES // per_image == 6
+    assert calls.images_per_call(c3, gpu, "backward") == 6
     assert calls.images_per_call(c3, targets.host_target()) == 8
     # an image's columns alone pass the budget (829 MB)
     wide = ConvShape(2, 256, 300, 300, 256, 3, 3, pad_h=1, pad_w=1)
@@ -168,3 +169,44 @@ def test_a_batch_run_in_chunks_of_images_gives_the_whole_batchs_output(monkeypat
     chunked = deform_conv2d(**args, **inputs.conv_kwargs(shape))
     assert seen == [5] and launches == [2, 2, 1]
     assert torch.equal(chunked, whole)
+
+
+def test_a_backward_run_in_chunks_of_images_gives_the_whole_batchs_gradients(monkeypatch):
+    """The backward's chunk loop, on the CPU: a batch of 5 in calls of 2, 2 and 1 images gives
+    the whole batch's input, offset and mask gradients bit for bit; the weight's and bias's,
+    the chunks' sums added in order, agree within rounding and are the same bits on every
+    run."""
+    from tvm_deform.runtime import calls, inputs
+
+    shape = ConvShape(5, 8, 9, 7, 6, 3, 3, pad_h=1, pad_w=1, has_bias=True)
+    args = inputs.random_inputs(shape)
+    grad_output = torch.randn(shape.batch, shape.out_channels, shape.out_h, shape.out_w)
+
+    def gradients() -> dict[str, torch.Tensor]:
+        leaves = {name: value.clone().requires_grad_() for name, value in args.items()}
+        deform_conv2d(**leaves, **inputs.conv_kwargs(shape)).backward(grad_output)
+        return {name: value.grad for name, value in leaves.items()}
+
+    whole = gradients()
+    asked = []
+
+    def two_at_a_time(shape, target, op="forward"):
+        asked.append((shape.batch, op))
+        return 2 if op == "backward" else shape.batch
+
+    monkeypatch.setattr(calls, "images_per_call", two_at_a_time)
+    launches = []
+    launch = calls._run_backward_kernels
+    monkeypatch.setattr(
+        calls,
+        "_run_backward_kernels",
+        lambda part, *a: launches.append(part.batch) or launch(part, *a),
+    )
+    chunked, again = gradients(), gradients()
+    assert (5, "backward") in asked
+    assert launches == [2, 2, 1] * 2
+    for name in ("input", "offset", "mask"):
+        assert torch.equal(chunked[name], whole[name]), name
+    for name in ("weight", "bias"):
+        assert_close(chunked[name], whole[name], 1e-6, name)
+        assert torch.equal(chunked[name], again[name]), name

@@ -68,18 +68,19 @@ def run_forward(
     return output
 
 
-def images_per_call(shape: ConvShape, target: Target) -> int:
-    """How many images of ``shape``'s batch one call of its forward kernel on ``target`` takes:
-    all of them, except for a GPU kernel for any size (whose sampled columns are a workspace
-    of ``batch x channels x taps x pixels``) when the columns of the batch would pass
-    :data:`COLUMN_BYTES`; then as many as fit, at least one."""
+def images_per_call(shape: ConvShape, target: Target, op: str = "forward") -> int:
+    """How many images of ``shape``'s batch one call of its ``op``'s kernels on ``target``
+    takes: all of them, except for GPU kernels for any size when the columns of the batch
+    would pass :data:`COLUMN_BYTES`; then as many as fit, at least one. (The forward's sampled
+    columns are a workspace of ``batch x channels x taps x pixels``; the backward's column
+    gradient and recomputed columns are two more of that size.)"""
     if target.kind.name != "cuda":
         return shape.batch
     element = 8 if shape.accumulator_dtype == "float64" else 4
     per_image = shape.in_channels * shape.taps * shape.out_h * shape.out_w * element
     if per_image * shape.batch <= COLUMN_BYTES:
         return shape.batch
-    if not kernels.any_size(shape, target, env.tuned_enabled()):
+    if not kernels.any_size(shape, target, env.tuned_enabled(), op=op):
         return shape.batch  # a kernel for this size alone takes its whole batch
     return max(1, COLUMN_BYTES // per_image)
 
@@ -174,7 +175,10 @@ def run_backward(
     ``aten::convolution_backward``) and None otherwise; the mask's is None without a mask, the
     bias's None when ``shape`` has no bias. ``compiled`` (the backward kernels) defaults to the
     ones dispatch picks for ``shape``, the tensors' device and the gradients asked for. CUDA
-    kernels run on torch's current stream of the tensors' device."""
+    kernels run on torch's current stream of the tensors' device. Where dispatch picks GPU
+    kernels for any size, a batch whose columns would pass :data:`COLUMN_BYTES` runs in chunks
+    of images (see :func:`images_per_call`), the weight's and bias's gradients of the chunks
+    added in order."""
     want_input, want_offset, want_mask, want_weight, want_bias = output_mask
     want_mask = want_mask and mask is not None
     want_bias = want_bias and shape.has_bias
@@ -195,10 +199,13 @@ def run_backward(
         if shape.has_bias:
             grad_bias = (weight.new_zeros if empty else weight.new_empty)(shape.out_channels)
     if not empty and gradients != definition.Gradients(False, False, False):
-        target = device_target(input.device)
-        compiled = compiled or kernels.get_backward(shape, target, gradients=gradients)
+        images = shape.batch
+        if compiled is None:
+            target = device_target(input.device)
+            images = images_per_call(shape, target, "backward")
+            compiled = kernels.get_backward(shape, target, gradients=gradients)
         run = functools.partial(
-            _run_backward_kernels,
+            _run_backward_kernels if images >= shape.batch else _run_backward_in_chunks(images),
             shape,
             compiled,
             grad_output,
@@ -222,6 +229,41 @@ def run_backward(
         grad_weight if want_weight else None,
         grad_bias if want_bias else None,
     )
+
+
+def _run_backward_in_chunks(images: int):
+    """:func:`_run_backward_kernels`, run on chunks of ``images`` images: each chunk's input,
+    offset and mask gradients go to its slice of the batch's; its weight and bias gradients
+    to buffers of their own, added in the chunks' order in the accumulator's dtype (the same
+    bits on every run)."""
+
+    def run(shape, compiled, grad_output, input, offset, weight, mask, gradients, grads):
+        grad_input, grad_offset, grad_mask, grad_weight, grad_bias = grads
+        acc = _TORCH_DTYPES[shape.accumulator_dtype]
+        sums: list[torch.Tensor | None] = [None, None]
+        for start in range(0, shape.batch, images):
+            part = slice(start, min(start + images, shape.batch))
+            totals = [None if g is None else torch.empty_like(g) for g in (grad_weight, grad_bias)]
+            _run_backward_kernels(
+                dataclasses.replace(shape, batch=part.stop - part.start),
+                compiled,
+                grad_output[part],
+                input[part],
+                offset[part],
+                weight,
+                None if mask is None else mask[part],
+                gradients,
+                (*(None if g is None else g[part] for g in (grad_input, grad_offset, grad_mask)),
+                 *totals),
+            )  # fmt: skip
+            for i, total in enumerate(totals):
+                if total is not None:
+                    sums[i] = total.to(acc) if sums[i] is None else sums[i].add_(total)
+        for result, total in zip((grad_weight, grad_bias), sums, strict=True):
+            if result is not None:
+                result.copy_(total)
+
+    return run
 
 
 def _run_backward_kernels(
