@@ -67,8 +67,8 @@ from tvm_deform.tools.fleet import Fleet
 SPACES = ("handwritten", "generic")
 
 
-def spaces_for(target: Target, op: str) -> tuple[str, ...]:
-    """The design spaces ``op`` is tuned in on ``target``'s kind. MetaSchedule's generic space
+def spaces_for(op: str) -> tuple[str, ...]:
+    """The design spaces ``op`` is tuned in, on every target kind. MetaSchedule's generic space
     is not offered for the backward kernel, whose nine stages (two GEMMs, gathers and an
     rfactor-ed reduction) its rules do not schedule sensibly."""
     return SPACES if op == "forward" else ("handwritten",)
@@ -401,7 +401,7 @@ def tune(
         (name, op, space)
         for name, op in tasks
         for space in spaces
-        if space in spaces_for(target, op) and trials > 0
+        if space in spaces_for(op) and trials > 0
     ]
     tuning_started = time.monotonic()
     for done, (name, op, space) in enumerate(runs):
@@ -494,15 +494,13 @@ def _first_measurements(
     batch = []
     for name, op in tasks:
         shape = workloads[name]
-        if not spaces_for(target, op):
-            continue
         default_dir = work_dir / key / DEFAULT_SPACE
         if measure_default and not _default_measured(default_dir, shape, target, op):
             batch.append((name, shape, op, str(default_dir), None))
         if not transfer:
             continue
         mod = workload_module(shape, op)
-        for space in (s for s in spaces if s in spaces_for(target, op)):
+        for space in (s for s in spaces if s in spaces_for(op)):
             if count_records(work_dir / key / space, shape, op):
                 continue  # resuming: the search starts from this machine's own records
             for root in log_roots():
