@@ -83,8 +83,10 @@ def reference(workload: dict, args: dict[str, torch.Tensor]) -> dict[str, torch.
     }
     if "mask" in args:
         leaves["mask"] = wide(args["mask"]).reshape(batch, -1, out_h, out_w)
-    if "bias" in args or (backward and "grad_bias" in args):
-        leaves["bias"] = wide(args.get("bias", torch.zeros_like(args["grad_bias"])))
+    if "bias" in args:
+        leaves["bias"] = wide(args["bias"])
+    elif backward and "grad_bias" in args:  # the backward takes no bias: its value is no matter
+        leaves["bias"] = wide(torch.zeros_like(args["grad_bias"]))
     if backward:
         leaves = {name: value.detach().requires_grad_() for name, value in leaves.items()}
     result = torchvision.ops.deform_conv2d(

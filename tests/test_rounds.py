@@ -92,15 +92,9 @@ def test_a_round_trip_on_the_cpu_learns_and_ranks_the_next_round(tmp_path):
 
 
 def _candidate(entry: dict) -> ms.MeasureCandidate:
-    import tvm
-    from tvm import s_tir
-
     from tvm_deform.runtime.records import workload_module
 
-    sch = s_tir.Schedule(workload_module(LAYER))
-    s_tir.schedule.Trace.apply_json_to_schedule(tvm.ir.load_json(entry["trace"]), sch)
-    infos = [ms.arg_info.ArgInfo.from_json(tvm.ir.load_json(a)) for a in entry["args_info"]]
-    return ms.MeasureCandidate(sch, infos)
+    return rounds.measure_candidate(entry, workload_module(LAYER))
 
 
 def test_a_wrong_candidate_is_recorded_as_failed(tmp_path):

@@ -24,6 +24,7 @@ So a round of tuning is split in three steps, each a command:
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import dataclasses
 import json
@@ -31,6 +32,7 @@ import os
 import re
 import time
 import warnings
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -276,11 +278,13 @@ def _build_all(name: str, candidates: list, target: Target, out_dir: Path) -> li
 
     def build(index: int) -> dict:
         candidate = candidates[index]
+        trace = tvm.ir.save_json(candidate.sch.trace.as_json(remove_postproc=False))
+        infos = [tvm.ir.save_json(info.as_json()) for info in candidate.args_info]
         entry: dict = {
             "id": index,
-            # TVM's own JSON of the trace and the arguments, as strings
-            "trace": tvm.ir.save_json(candidate.sch.trace.as_json(remove_postproc=False)),
-            "args_info": [tvm.ir.save_json(a.as_json()) for a in candidate.args_info],
+            # TVM's own JSON of the trace and of the arguments' list, packed (see _pack)
+            "trace": _pack(trace),
+            "args_info": _pack(json.dumps(infos)),
         }
         stem = f"{name}-{index:04d}"
         try:
@@ -318,6 +322,28 @@ def export_candidate(sch: s_tir.Schedule, target: Target, out_dir: Path, stem: s
     library = out_dir / f"{stem}.so"
     compile_schedule(sch, target).export_library(str(library))
     return {"library": library.name, "function": str(sch.mod["main"].attrs["global_symbol"])}
+
+
+def _pack(text: str) -> str:
+    """``text`` compressed (zlib, then base64): TVM's JSON of a trace is five times smaller so,
+    and the round file travels."""
+    return base64.b64encode(zlib.compress(text.encode(), 9)).decode("ascii")
+
+
+def _unpack(text: str) -> str:
+    return zlib.decompress(base64.b64decode(text)).decode()
+
+
+def measure_candidate(entry: dict, mod: tvm.IRModule) -> ms.MeasureCandidate:
+    """The candidate a round file's ``entry`` describes: its trace replayed on ``mod`` (the
+    workload's unscheduled module), with its arguments' descriptions."""
+    sch = s_tir.Schedule(mod)
+    trace = tvm.ir.load_json(_unpack(entry["trace"]))
+    tvm.s_tir.schedule.Trace.apply_json_to_schedule(trace, sch)
+    infos = json.loads(_unpack(entry["args_info"]))
+    return ms.MeasureCandidate(
+        sch, [ms.arg_info.ArgInfo.from_json(tvm.ir.load_json(a)) for a in infos]
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,12 +393,8 @@ def ingest(
             secs = times.get((name, entry["id"]))
             if "error" not in entry and (name, entry["id"]) not in times:
                 continue  # not timed (the deadline passed): neither good nor bad
-            sch = s_tir.Schedule(mod)
-            tvm.s_tir.schedule.Trace.apply_json_to_schedule(tvm.ir.load_json(entry["trace"]), sch)
-            args_info = [
-                ms.arg_info.ArgInfo.from_json(tvm.ir.load_json(a)) for a in entry["args_info"]
-            ]
-            candidates.append(ms.MeasureCandidate(sch, args_info))
+            candidate = measure_candidate(entry, mod)
+            candidates.append(candidate)
             if not secs:
                 failed += 1
                 results.append(ms.runner.RunnerResult(None, "failed to build or run"))
@@ -380,7 +402,9 @@ def ingest(
             run_secs = [tvm.runtime.convert(float(s)) for s in secs]
             results.append(ms.runner.RunnerResult(run_secs, None))
             db.commit_tuning_record(
-                ms.database.TuningRecord(sch.trace, committed, run_secs, target, args_info)
+                ms.database.TuningRecord(
+                    candidate.sch.trace, committed, run_secs, target, candidate.args_info
+                )
             )
             ms_value = sorted(secs)[len(secs) // 2] * 1e3
             best = ms_value if best is None else min(best, ms_value)
