@@ -1,5 +1,6 @@
 """Time a round of tuning candidates (see ``tvm_deform.tools.rounds``) on the machine that
-measures them, and check each one's output against torchvision's.
+measures them, and check each one's output against torchvision's (a backward candidate's:
+its gradients of the offset, mask, weight and bias).
 
     python lab/time_round.py ROUND_DIR --out results.jsonl [--deadline 480] [--min-ms 20]
 

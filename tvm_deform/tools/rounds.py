@@ -8,10 +8,10 @@ So a round of tuning is split in three steps, each a command:
    backward's gradients kernel), MetaSchedule's evolutionary search proposes ``count`` new
    candidates from the design spaces, ranked by the cost model of the earlier rounds (an
    XGBoost model, saved in the work directory, whose ``num_warmup_samples`` is one round so
-   that it ranks from the second round on). Each candidate is built: for a
-   CUDA target, its kernels into a cubin with nvcc, with the launch plan the host code would
-   run (each kernel's arguments, grid, block and shared memory, and the scratch buffers); for
-   an LLVM target (the rehearsal on a CPU), into a shared library. The round directory holds
+   that it ranks from the second round on). Each candidate is built: for a CUDA target, its
+   kernels into a cubin with nvcc, with the launch plan the host code would run (each
+   kernel's arguments, grid, block and shared memory, and the scratch buffers); for an LLVM
+   target (the rehearsal on a CPU), into a shared library. The round directory holds
    ``round.json`` and the built files: it is what travels.
 2. ``lab/time_round.py`` (on the measuring machine, with CuPy for CUDA and no TVM; with TVM's
    runtime for an LLVM round): times every candidate, writes one JSON line per candidate as it
