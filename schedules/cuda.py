@@ -62,6 +62,10 @@ class OnePassCUDA(Rule):
     #: the shared-memory budget: a grouped layer stages a column slice per group in the tile, so a
     #: depthwise layer needs a thinner tile than a dense one
     out_tiles = ((8, 4), (8, 2), (8, 1), (4, 1), (2, 1), (1, 1))
+    #: register rows a design space samples beside those of ``out_tiles``: a taller block
+    #: reads fewer operands from shared memory per multiply-add (8 x 8 outputs: 16 reads for
+    #: 64), for the registers it holds
+    space_rows = (8,)
     #: the share of a thread block's shared memory (the target's
     #: ``max_shared_memory_per_block``) the staged columns and weights may take: 40 KiB of 48
     shared_share = 5 / 6
@@ -96,8 +100,9 @@ class OnePassCUDA(Rule):
         self, sch: s_tir.Schedule, threads_o: int, regs_o: int, budget: int, choose: Choices
     ):
         """The register block's rows along the output channels: ``regs_o``, or in a space a
-        sampled choice among the tiles with ``threads_o`` threads within ``budget``."""
-        rows = [r for t, r in self.out_tiles if t == threads_o]
+        sampled choice among the tiles with ``threads_o`` threads and ``space_rows`` within
+        ``budget``."""
+        rows = [r for t, r in self.out_tiles if t == threads_o] + list(self.space_rows)
         # One row is left out unless it is the default's: the output's unit loop vanishes from
         # reverse_compute_at's loops, and a trace sampled otherwise no longer replays.
         return choose(
