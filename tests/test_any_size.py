@@ -4,6 +4,8 @@ a model's first image nothing compiles, forward or backward; sizes no suite name
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torchvision.ops
@@ -101,3 +103,53 @@ def test_an_input_width_no_block_divides_matches_torchvision(fresh, channels, wi
     out = deform_conv2d(x, offset, weight, padding=1, mask=mask)
     expected = torchvision.ops.deform_conv2d(x, offset, weight, padding=1, mask=mask)
     assert_close(out, expected, 1e-5)
+
+
+def test_a_tuned_shape_leaves_the_kernel_for_any_size_only_for_a_real_gain(tmp_path, monkeypatch):
+    """This machine's logs hold records of three shapes: one that ran 20% faster than the
+    default schedule when timed through the op at tuning time, one 2% faster, and one with no
+    decision whose tuner times show 10%. Only the 20% and 10% shapes run a kernel of their own
+    size: for 2%, compiling that kernel at the shape's first call would cost more than it
+    saves."""
+    import json
+
+    from tvm_deform.runtime import records
+
+    target = targets.host_target()
+    key_dir = tmp_path / "logs" / targets.hardware_key(target)
+    key_dir.mkdir(parents=True)
+    shapes = {
+        name: ConvShape(1, 24, 13, side, 24, 3, 3, pad_h=1, pad_w=1)
+        for name, side in (("fast", 11), ("close", 12), ("undecided", 13))
+    }
+
+    def spaces(shape, default_ms, tuned_ms):
+        entry = {"shape": dataclasses.asdict(shape)}
+        return {
+            "default": entry | {"best_ms": default_ms},
+            "handwritten": entry | {"best_ms": tuned_ms},
+        }
+
+    manifest = {"workloads": {
+        "fast": spaces(shapes["fast"], 1.0, 0.9),
+        "close": spaces(shapes["close"], 1.0, 0.7),  # the tuner's times, overruled below
+        "undecided": spaces(shapes["undecided"], 1.0, 0.9),
+    }}  # fmt: skip
+    decisions = {
+        "a": {"workload": "fast", "choice": "handwritten",
+              "median_ms": {"default": 1.0, "handwritten": 0.8}},
+        "b": {"workload": "close", "choice": "handwritten",
+              "median_ms": {"default": 1.0, "handwritten": 0.98}},
+    }  # fmt: skip
+    (key_dir / "manifest.json").write_text(json.dumps(manifest))
+    (key_dir / records.LOGS_DECISIONS).write_text(json.dumps(decisions))
+    monkeypatch.setenv("TVM_DEFORM_LOGS", str(tmp_path / "logs"))
+    monkeypatch.delenv("TVM_DEFORM_SIZES", raising=False)
+    records.forget_databases()
+    tuned = records.tuned_shapes(target)
+    assert {name for name, shape in shapes.items() if shape in tuned} == {"fast", "undecided"}
+    assert not kernels.any_size(shapes["fast"], target, True)
+    assert kernels.any_size(shapes["close"], target, True)
+    assert kernels.any_size(shapes["fast"], target, False)  # TVM_DEFORM_TUNED=0
+    assert not records.tuned_shapes(target, "backward") & set(shapes.values())
+    records.forget_databases()

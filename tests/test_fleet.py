@@ -66,7 +66,7 @@ def test_records_land_under_the_devices_key(fleet_run):
     assert "cores" in manifest["cpu"]  # the device described itself over RPC
     assert any("2 server(s)" in line for line in lines)
     # The choice between records and default is left to dispatch on the device.
-    assert not (root / "logs" / key / dispatch.LOGS_DECISIONS).exists()
+    assert not (root / "logs" / key / records.LOGS_DECISIONS).exists()
 
 
 def test_dispatch_uses_the_fleets_records(fleet_run, monkeypatch):

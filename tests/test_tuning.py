@@ -110,7 +110,7 @@ def test_default_schedule_is_measured_and_wins_when_faster(tuned, tmp_path, monk
     # Give the default schedule a measurement faster than every tuned record: dispatch must
     # then use the default schedule.
     shutil.copytree(out, tmp_path / "logs")
-    (tmp_path / "logs" / key / dispatch.LOGS_DECISIONS).unlink()  # the tuner's rule alone
+    (tmp_path / "logs" / key / records.LOGS_DECISIONS).unlink()  # the tuner's rule alone
     default_dir = tmp_path / "logs" / key / records.DEFAULT_SPACE
     records.unpack_database(default_dir)  # edited in place below
     db = ms.database.JSONDatabase(work_dir=str(default_dir), allow_missing=False)
@@ -196,7 +196,7 @@ def without_default(out, tmp_path):
     copy = tmp_path / "logs"
     shutil.copytree(out, copy)
     shutil.rmtree(copy / targets.hardware_key(targets.host_target()) / records.DEFAULT_SPACE)
-    (copy / targets.hardware_key(targets.host_target()) / dispatch.LOGS_DECISIONS).unlink()
+    (copy / targets.hardware_key(targets.host_target()) / records.LOGS_DECISIONS).unlink()
     return copy
 
 
@@ -439,7 +439,7 @@ def test_trial_history_and_convergence_table(tuned):
 def test_tuning_writes_a_choice_timed_through_the_op(tuned, tmp_path, monkeypatch, counted_measure):
     *_, out = tuned
     key = targets.hardware_key(targets.host_target())
-    decisions = json.loads((out / key / dispatch.LOGS_DECISIONS).read_text())
+    decisions = json.loads((out / key / records.LOGS_DECISIONS).read_text())
     (entry,) = [e for e in decisions.values() if e["workload"] == "tiny"]  # the latest only
     assert set(entry["median_ms"]) == {"default", "handwritten"}
     # The times are stored rounded, so two close candidates may tie in the file.
@@ -451,7 +451,7 @@ def test_tuning_writes_a_choice_timed_through_the_op(tuned, tmp_path, monkeypatc
     record = kernels.resolve(TINY, targets.host_target())
     assert (record is None) == (entry["choice"] == "default")
     flipped = "default" if entry["choice"] != "default" else "handwritten"
-    path = copy / key / dispatch.LOGS_DECISIONS
+    path = copy / key / records.LOGS_DECISIONS
     path.write_text(
         path.read_text().replace(f'"choice": "{entry["choice"]}"', f'"choice": "{flipped}"')
     )
@@ -482,7 +482,7 @@ def scaled_copy(out, destination, factor: float):
                     record.args_info,
                 )
             )
-    (destination / key / dispatch.LOGS_DECISIONS).unlink(missing_ok=True)
+    (destination / key / records.LOGS_DECISIONS).unlink(missing_ok=True)
     return destination
 
 

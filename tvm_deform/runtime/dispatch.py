@@ -42,8 +42,6 @@ from tvm_deform.runtime.inputs import random_inputs
 BUDGET_SECONDS = 1.0
 #: the same at tuning time, where the decision is written into the logs (see decide_for_logs)
 LOGS_BUDGET_SECONDS = 4.0
-#: the file beside a hardware key's design spaces that holds those decisions
-LOGS_DECISIONS = "decisions.json"
 #: runs per candidate at least, whatever the budget
 MIN_RUNS = 3
 
@@ -220,7 +218,7 @@ def own_decision(shape: ConvShape, op: str, own: list[records.TunedRecord]) -> d
 
 def _read_logs_decisions(key_dir: Path) -> dict:
     try:
-        return json.loads((key_dir / LOGS_DECISIONS).read_text())
+        return json.loads((key_dir / records.LOGS_DECISIONS).read_text())
     except (OSError, ValueError):
         return {}
 
@@ -246,7 +244,9 @@ def decide_for_logs(
     # An earlier decision for the same workload was among other records: it is stale.
     kept = {k: e for k, e in _read_logs_decisions(key_dir).items() if e.get("workload") != label}
     decisions = kept | {_logs_key(shape, op, options): entry}
-    (key_dir / LOGS_DECISIONS).write_text(json.dumps(decisions, indent=1, sort_keys=True) + "\n")
+    (key_dir / records.LOGS_DECISIONS).write_text(
+        json.dumps(decisions, indent=1, sort_keys=True) + "\n"
+    )
     return entry
 
 

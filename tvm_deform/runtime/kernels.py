@@ -351,8 +351,9 @@ def any_size(
     """Whether ``shape``'s ``op`` ("forward" or "backward") runs kernels compiled for every
     size of its layer (batch, height and width symbolic), not for its own size: on CPUs, and
     on GPUs for an NCHW input, unless ``TVM_DEFORM_SIZES=static``, the call's buffers pass
-    2^31 elements (int32 indices), or this machine's own tuning logs hold records of exactly
-    this shape (``tuned``: a kernel of its size tuned here is faster). Other
+    2^31 elements (int32 indices), or this machine's own tuning logs hold a record of exactly
+    this shape that ran at least ``records.MIN_TUNED_GAIN`` faster than the default when tuned
+    (``tuned``; see :func:`records.tuned_shapes`). Other
     machines' records do not count: timing them here at a size's first use takes seconds,
     which a stream of sizes would pay again and again (``TVM_DEFORM_SIZES=static`` times
     them, as before)."""

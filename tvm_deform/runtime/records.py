@@ -47,6 +47,15 @@ DEFAULT_SPACE = "default"
 #: the kernels that are tuned: the forward, and the backward's gather/GEMM kernel (its scatter
 #: kernel, ``grad_input``, has nothing to tune: one block per image plane)
 OPS = ("forward", "backward")
+#: the file beside a hardware key's design spaces that holds the choices timed through the op
+#: at tuning time (see :func:`tvm_deform.runtime.dispatch.decide_for_logs`)
+LOGS_DECISIONS = "decisions.json"
+#: how much less time than the default schedule a shape's tuned record must have taken, when
+#: it was tuned, for the shape to run a kernel of its exact size instead of the one for any
+#: size (see :func:`tuned_shapes`). Below it, compiling that kernel at the shape's first call
+#: (about half a second a layer on a CPU) costs more than the record saves: the kernels for any
+#: size run level with the default's kernels of one size.
+MIN_TUNED_GAIN = 0.05
 
 
 def workload_module(shape: ConvShape, op: str = "forward") -> tvm.IRModule:
@@ -185,10 +194,7 @@ def _database(directory: str) -> ms.database.JSONDatabase | None:
 
 
 def _manifest(key_dir: Path) -> dict:
-    try:
-        return json.loads((key_dir / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return {}
+    return _read_json(key_dir / "manifest.json")
 
 
 def logs_date(key_dir: Path) -> str | None:
@@ -336,9 +342,11 @@ def forget_databases() -> None:
 
 
 def tuned_shapes(target: Target, op: str = "forward") -> frozenset[ConvShape]:
-    """The shapes whose ``op`` the logs of ``target``'s own hardware key hold records of, read
-    from their manifests (no database is opened): the shapes for which a kernel of their exact
-    size, tuned on this kind of machine, is faster than the one for any size."""
+    """The shapes whose ``op`` the logs of ``target``'s own hardware key hold a record of that
+    ran at least :data:`MIN_TUNED_GAIN` faster than the default schedule when they were tuned:
+    the shapes for which a kernel of their exact size, tuned on this kind of machine, is worth
+    compiling at their first call instead of running the one for any size. Read from the
+    manifests and decisions (no database is opened); see :func:`tuned_gain`."""
     from tvm_deform.runtime.targets import hardware_key
 
     roots = tuple(str(root) for root in log_roots())
@@ -349,17 +357,50 @@ def tuned_shapes(target: Target, op: str = "forward") -> frozenset[ConvShape]:
 def _tuned_shapes(roots: tuple[str, ...], key: str, op: str) -> frozenset:
     shapes = set()
     for root in map(Path, roots):
-        if root.is_dir():
-            for name, spaces in _manifest(root / key).get("workloads", {}).items():
-                if (op == "backward") != name.endswith(":backward"):
-                    continue
-                for entry in spaces.values():
-                    if isinstance(entry, dict) and "shape" in entry:
-                        try:
-                            shapes.add(ConvShape(**entry["shape"]))
-                        except TypeError:
-                            continue  # a manifest of another version's fields
+        if not root.is_dir():
+            continue
+        decisions = _read_json(root / key / LOGS_DECISIONS)
+        chosen = {entry.get("workload"): entry for entry in decisions.values()}
+        for name, spaces in _manifest(root / key).get("workloads", {}).items():
+            if (op == "backward") != name.endswith(":backward"):
+                continue
+            gain = tuned_gain(spaces, chosen.get(name))
+            if gain is not None and gain < MIN_TUNED_GAIN:
+                continue
+            for entry in spaces.values():
+                if isinstance(entry, dict) and "shape" in entry:
+                    try:
+                        shapes.add(ConvShape(**entry["shape"]))
+                    except TypeError:
+                        continue  # a manifest of another version's fields
     return frozenset(shapes)
+
+
+def tuned_gain(spaces: dict, decision: dict | None) -> float | None:
+    """How much faster than the default schedule a workload's chosen record ran when it was
+    tuned (0.1: 10% less time; 0 where the default was chosen), from its decision timed
+    through the op (``decision``, an entry of ``decisions.json``) or else from the tuner's
+    best times per design space in the manifest (``spaces``); None where the default was not
+    measured."""
+    if decision is not None:
+        times, choice = decision.get("median_ms", {}), decision.get("choice")
+    else:
+        times = {
+            space: entry["best_ms"]
+            for space, entry in spaces.items()
+            if isinstance(entry, dict) and entry.get("best_ms")
+        }
+        choice = min(times, key=times.__getitem__, default=None)
+    if not times.get(DEFAULT_SPACE) or choice not in times:
+        return None
+    return 1.0 - times[choice] / times[DEFAULT_SPACE]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def logs_fingerprint() -> str:

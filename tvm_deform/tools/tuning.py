@@ -46,6 +46,7 @@ from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import kernels, targets
 from tvm_deform.runtime.records import (
     DEFAULT_SPACE,
+    MIN_TUNED_GAIN,
     OPS,
     best_in,
     candidate_keys,
@@ -93,8 +94,9 @@ KEEP_PER_WORKLOAD = 3
 #: static shapes; see :func:`tvm_deform.runtime.kernels.any_size`)
 SIZES_NOTE = (
     "static kernels for exactly the tuned shapes: on a machine of this hardware key, a call of "
-    "a shape these logs hold runs a kernel compiled for that size with the schedule they "
-    "choose; every other shape runs the default schedule's kernel for any size. Machines of "
+    f"a shape these logs hold, whose chosen record ran at least {MIN_TUNED_GAIN:.0%} faster "
+    "than the default schedule when tuned, runs a kernel compiled for that size with that "
+    "record; every other shape runs the default schedule's kernel for any size. Machines of "
     "other keys use these records only where they compile a kernel per size "
     "(TVM_DEFORM_SIZES=static, or a call past 2^31 elements), timing them against the default "
     "at a shape's first use."
