@@ -212,15 +212,8 @@ def own_decision(shape: ConvShape, op: str, own: list[records.TunedRecord]) -> d
     """The decision that this machine's own logs (``own``) hold for ``shape``'s ``op``, if it was
     made among the records they hold now."""
     options = own_options(own)
-    decision = _read_logs_decisions(own[0].directory.parent).get(_logs_key(shape, op, options))
+    decision = records.logs_decisions(own[0].directory.parent).get(_logs_key(shape, op, options))
     return decision if decision and decision.get("choice") in options else None
-
-
-def _read_logs_decisions(key_dir: Path) -> dict:
-    try:
-        return json.loads((key_dir / records.LOGS_DECISIONS).read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def decide_for_logs(
@@ -242,7 +235,7 @@ def decide_for_logs(
         "median_ms": {name: round(ms, 4) for name, ms in times.items()},
     }
     # An earlier decision for the same workload was among other records: it is stale.
-    kept = {k: e for k, e in _read_logs_decisions(key_dir).items() if e.get("workload") != label}
+    kept = {k: e for k, e in records.logs_decisions(key_dir).items() if e.get("workload") != label}
     decisions = kept | {_logs_key(shape, op, options): entry}
     (key_dir / records.LOGS_DECISIONS).write_text(
         json.dumps(decisions, indent=1, sort_keys=True) + "\n"

@@ -54,7 +54,7 @@ LOGS_DECISIONS = "decisions.json"
 #: it was tuned, for the shape to run a kernel of its exact size instead of the one for any
 #: size (see :func:`tuned_shapes`). Below it, compiling that kernel at the shape's first call
 #: (about half a second a layer on a CPU) costs more than the record saves: the kernels for any
-#: size run level with the default's kernels of one size.
+#: size run within a few percent of the default's kernels of one size.
 MIN_TUNED_GAIN = 0.05
 
 
@@ -359,8 +359,7 @@ def _tuned_shapes(roots: tuple[str, ...], key: str, op: str) -> frozenset:
     for root in map(Path, roots):
         if not root.is_dir():
             continue
-        decisions = _read_json(root / key / LOGS_DECISIONS)
-        chosen = {entry.get("workload"): entry for entry in decisions.values()}
+        chosen = {entry.get("workload"): entry for entry in logs_decisions(root / key).values()}
         for name, spaces in _manifest(root / key).get("workloads", {}).items():
             if (op == "backward") != name.endswith(":backward"):
                 continue
@@ -394,6 +393,12 @@ def tuned_gain(spaces: dict, decision: dict | None) -> float | None:
     if not times.get(DEFAULT_SPACE) or choice not in times:
         return None
     return 1.0 - times[choice] / times[DEFAULT_SPACE]
+
+
+def logs_decisions(key_dir: Path) -> dict:
+    """The decisions timed through the op at tuning time that one hardware key's logs hold (see
+    :func:`tvm_deform.runtime.dispatch.decide_for_logs`); empty without them."""
+    return _read_json(key_dir / LOGS_DECISIONS)
 
 
 def _read_json(path: Path) -> dict:
