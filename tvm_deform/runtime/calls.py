@@ -205,7 +205,9 @@ def run_backward(
             images = images_per_call(shape, target, "backward")
             compiled = kernels.get_backward(shape, target, gradients=gradients)
         run = functools.partial(
-            _run_backward_kernels if images >= shape.batch else _run_backward_in_chunks(images),
+            _run_backward_kernels
+            if images >= shape.batch
+            else functools.partial(_run_backward_in_chunks, images),
             shape,
             compiled,
             grad_output,
@@ -231,39 +233,37 @@ def run_backward(
     )
 
 
-def _run_backward_in_chunks(images: int):
+def _run_backward_in_chunks(
+    images, shape, compiled, grad_output, input, offset, weight, mask, gradients, grads
+) -> None:
     """:func:`_run_backward_kernels`, run on chunks of ``images`` images: each chunk's input,
     offset and mask gradients go to its slice of the batch's; its weight and bias gradients
     to buffers of their own, added in the chunks' order in the accumulator's dtype (the same
     bits on every run)."""
-
-    def run(shape, compiled, grad_output, input, offset, weight, mask, gradients, grads):
-        grad_input, grad_offset, grad_mask, grad_weight, grad_bias = grads
-        acc = _TORCH_DTYPES[shape.accumulator_dtype]
-        sums: list[torch.Tensor | None] = [None, None]
-        for start in range(0, shape.batch, images):
-            part = slice(start, min(start + images, shape.batch))
-            totals = [None if g is None else torch.empty_like(g) for g in (grad_weight, grad_bias)]
-            _run_backward_kernels(
-                dataclasses.replace(shape, batch=part.stop - part.start),
-                compiled,
-                grad_output[part],
-                input[part],
-                offset[part],
-                weight,
-                None if mask is None else mask[part],
-                gradients,
-                (*(None if g is None else g[part] for g in (grad_input, grad_offset, grad_mask)),
-                 *totals),
-            )  # fmt: skip
-            for i, total in enumerate(totals):
-                if total is not None:
-                    sums[i] = total.to(acc) if sums[i] is None else sums[i].add_(total)
-        for result, total in zip((grad_weight, grad_bias), sums, strict=True):
-            if result is not None:
-                result.copy_(total)
-
-    return run
+    grad_input, grad_offset, grad_mask, grad_weight, grad_bias = grads
+    acc = _TORCH_DTYPES[shape.accumulator_dtype]
+    sums: list[torch.Tensor | None] = [None, None]
+    for start in range(0, shape.batch, images):
+        part = slice(start, min(start + images, shape.batch))
+        totals = [None if g is None else torch.empty_like(g) for g in (grad_weight, grad_bias)]
+        _run_backward_kernels(
+            dataclasses.replace(shape, batch=part.stop - part.start),
+            compiled,
+            grad_output[part],
+            input[part],
+            offset[part],
+            weight,
+            None if mask is None else mask[part],
+            gradients,
+            (*(None if g is None else g[part] for g in (grad_input, grad_offset, grad_mask)),
+             *totals),
+        )  # fmt: skip
+        for i, total in enumerate(totals):
+            if total is not None:
+                sums[i] = total.to(acc) if sums[i] is None else sums[i].add_(total)
+    for result, total in zip((grad_weight, grad_bias), sums, strict=True):
+        if result is not None:
+            result.copy_(total)
 
 
 def _run_backward_kernels(
