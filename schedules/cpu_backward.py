@@ -244,9 +244,10 @@ def _sampling_grad(sch: s_tir.Schedule, tile) -> None:
     n, g, k, t, p, rc = sch.get_loops(block)
     acc = sch.cache_write(block, 0, "local")
     p_outer, p_inner = sch.split(p, [None, tile])
-    sch.reorder(n, p_outer, g, k, t, rc, p_inner)
+    sch.reorder(n, p_outer, g, k, rc, t, p_inner)
     parallel_tiles(sch, n, p_outer)
-    sch.reverse_compute_at(acc, t)
+    sch.reverse_compute_at(acc, k)
+    sch.unroll(t)
     _vectorize_pixels(sch, p_inner, acc, tile)
     sch.decompose_reduction(block, rc)
 
