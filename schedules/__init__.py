@@ -22,7 +22,7 @@ from tvm_deform.schedules.common import lanes
 from tvm_deform.schedules.cpu import FORWARD_RULES as CPU_FORWARD_RULES
 from tvm_deform.schedules.cpu import pixel_classes as cpu_pixel_classes
 from tvm_deform.schedules.cpu import pixel_quantum as cpu_pixel_quantum
-from tvm_deform.schedules.cpu_backward import BackwardCPU, GradInputCPU
+from tvm_deform.schedules.cpu_backward import BackwardCPU, GradInputCPU, grad_input_block
 from tvm_deform.schedules.cuda import OnePassCUDA, SampleOnceCUDA, SplitReductionCUDA
 from tvm_deform.schedules.cuda_backward import BackwardCUDA, GradInputCUDA
 from tvm_deform.schedules.cuda_tensor_core import MIN_ARCH as TENSOR_CORE_MIN_ARCH
@@ -130,6 +130,15 @@ def backward_pixel_quantum(shape: ConvShape, target: Target) -> int:
         threads, registers = BackwardCUDA.column_tiles[0]
         return threads * registers
     return 2 * lanes(target, shape.accumulator_dtype)
+
+
+def grad_input_channel_block(shape: ConvShape, target: Target) -> int:
+    """The channels whose input-gradient planes one block of the CPU's scatter fills at once
+    (``definition.grad_input(..., channel_block=...)``); 1 on a GPU, whose threads each fill
+    one plane."""
+    if target.kind.name != "llvm":
+        return 1
+    return grad_input_block(shape, target)
 
 
 def forward_schedule(

@@ -11,10 +11,14 @@ Two rules (:class:`tvm_deform.schedules.rule.Rule`), one per backward PrimFunc o
   - ``grad_columns``, a GEMM like the forward's: parallel over (batch, pixel tile), a register
     block of input channels x pixels;
   - ``sampling_grad``, the gathers: parallel over (batch, pixel tile), the channel reduction
-    accumulated in a vector register per (group, tap, term);
-  - ``weight_sum``, a GEMM that reduces over the pixels: ``rfactor`` keeps one partial sum per
-    vector lane so that the long pixel reduction is vectorised, parallel over output channels.
-    The partial sums are added in a fixed order, so the result does not depend on the threads.
+    accumulated in a vector register per (group, tap, term), the three terms (mask, y, x)
+    inside the loop over the channels, so that each channel's four corners are gathered once;
+  - ``weight_sum``, a GEMM that reduces over the pixels. Where a vector divides the input
+    channels (and the weight is not grouped), it is vectorised along the channels and its
+    columns are sampled channels-last, as the forward's (:func:`_weight_sum_along_channels`);
+    otherwise ``rfactor`` keeps one partial sum per vector lane so that the long pixel
+    reduction is vectorised, parallel over output channels, the partial sums added in a fixed
+    order. Either way the result does not depend on the threads.
 
 - ``GradInputCPU`` for ``deform_conv2d_grad_input``: the scatter, parallel over the
   (n, c) image planes, which never share memory.
@@ -31,7 +35,10 @@ from tvm import s_tir, sym, tirx
 from tvm.target import Target
 from tvm_deform.schedules.common import lanes as vector_lanes
 from tvm_deform.schedules.common import largest_divisor, parallel_tiles
+from tvm_deform.schedules.cpu import channels_last_input
 from tvm_deform.schedules.rule import Choices, Rule
+
+from tvm_deform.ir.definition import ConvShape
 
 
 def _pixel_tile(pixels, lanes: int, vectors: int = 2) -> int:
@@ -160,6 +167,8 @@ class BackwardCPU(Rule):
         lanes = backward_lanes(sch, target)
         channels, pixels, outputs, taps = backward_extents(sch)
         tiles = [lanes * v for v in self.tile_vectors]
+        # taps per weight_sum register block: every tap, or along the channels a few of them
+        block_taps = taps if _weight_tile_along_channels(sch, lanes) is None else _tap_block(taps)
 
         def tile_fits(tile: int) -> bool:
             return pixels % tile == 0 and tile < pixels
@@ -174,8 +183,8 @@ class BackwardCPU(Rule):
             sampling_tile=choose(tiles[:2], _pixel_tile(pixels, lanes, vectors=1), tile_fits),
             weight_block=choose(
                 self.weight_block_candidates,
-                largest_divisor(outputs, max(1, self.register_vectors // taps)),
-                lambda b: outputs % b == 0 and b * taps <= 32,
+                largest_divisor(outputs, max(1, self.register_vectors // block_taps)),
+                lambda b: outputs % b == 0 and b * block_taps <= 32,
             ),
         )
         apply_backward_structure(sch, lanes, choices)
@@ -208,11 +217,12 @@ def apply_backward_structure(sch: s_tir.Schedule, lanes: int, choices: BackwardC
         _grad_columns(sch, choices.channel_block, choices.columns_tile)
     if _block(sch, "sampling_grad") is not None:
         _sampling_grad(sch, choices.sampling_tile)
+    scheduled = set()
     if _block(sch, "weight_sum") is not None:
-        _weight_sum(sch, lanes, choices.weight_block)
+        scheduled |= _weight_sum(sch, lanes, choices.weight_block)
     stages = ("offset_pixels", "mask_pixels", "grad_output_pixels")  # a symbolic PrimFunc's
     for name in (*stages, "sample_rows", "sample_cols", "sample_coef", "grad_coef", "columns"):
-        block = _block(sch, name)
+        block = _block(sch, name) if name not in scheduled else None
         if block is not None:
             _elementwise(sch, block, lanes)
     for name in ("grad_offset", "grad_mask", "grad_weight", "bias_sum", "grad_bias"):
@@ -252,7 +262,13 @@ def _sampling_grad(sch: s_tir.Schedule, tile) -> None:
     sch.decompose_reduction(block, rc)
 
 
-def _weight_sum(sch: s_tir.Schedule, lanes: int, outputs_per_block) -> None:
+def _weight_sum(sch: s_tir.Schedule, lanes: int, outputs_per_block) -> set[str]:
+    """Schedule ``weight_sum`` (and with it, along the channels, ``columns``); return the
+    names of the other stages it scheduled."""
+    tile = _weight_tile_along_channels(sch, lanes)
+    if tile is not None:
+        _weight_sum_along_channels(sch, lanes, tile, outputs_per_block)
+        return {"columns"}
     block = sch.get_sblock("weight_sum")
     o, c, k, wn, wp = sch.get_loops(block)
     pixels = sch.get(wp).extent
@@ -260,7 +276,7 @@ def _weight_sum(sch: s_tir.Schedule, lanes: int, outputs_per_block) -> None:
         pixels = lanes * 2 if _divides_padded(sch, pixels, lanes) else 1  # any size
     if int(pixels) % lanes or int(pixels) <= lanes:
         sch.parallel(o)
-        return
+        return set()
     wp_outer, wp_inner = sch.split(wp, [None, lanes])
     partial = sch.rfactor(wp_inner, 0)
     # partial[lane, o, c, k]: a vector of partial sums per weight element. Each thread takes
@@ -282,6 +298,90 @@ def _weight_sum(sch: s_tir.Schedule, lanes: int, outputs_per_block) -> None:
     # The lanes are then added in order by the original block, once per weight element,
     # right after the register block is complete.
     sch.reverse_compute_at(block, po_outer)
+    return set()
+
+
+def _tap_block(taps: int) -> int:
+    """Taps per register block of ``weight_sum`` along the channels."""
+    return largest_divisor(taps, 3)
+
+
+def _weight_tile_along_channels(sch: s_tir.Schedule, lanes: int) -> int | None:
+    """The pixel tile of ``weight_sum`` along the input channels (see
+    :func:`_weight_sum_along_channels`), or None where that structure does not apply: grouped
+    weights, channels that no vector divides, or a symbolic pixel count not known to divide
+    into tiles."""
+    block = _block(sch, "weight_sum")
+    if block is None:
+        return None
+    _, c, _, _, wp = sch.get_loops(block)
+    channels = int(sch.get(c).extent)
+    columns = sch.get_sblock("columns")
+    if channels != int(sch.get(sch.get_loops(columns)[1]).extent) or channels % lanes:
+        return None
+    pixels = sch.get(wp).extent
+    if isinstance(pixels, tirx.IntImm):
+        return largest_divisor(int(pixels), 4 * lanes)
+    return 2 * lanes if _divides_padded(sch, pixels, 2 * lanes) else None
+
+
+def _weight_sum_along_channels(
+    sch: s_tir.Schedule, lanes: int, tile: int, outputs_per_block
+) -> None:
+    """``weight_sum`` as a GEMM vectorised along the input channels, its columns sampled
+    channels-last in tiles of ``tile`` pixels, as the forward samples them:
+
+    - the input is copied to NHWC once; the columns of a tile of pixels are laid out
+      ``[pixel, tap, channel]`` and sampled one vector of channels per (pixel, tap), the
+      geometry a broadcast;
+    - parallel over vectors of input channels; under it, per image and tile of pixels, the
+      tile's columns, then a register block of (``outputs_per_block`` output channels) x (a
+      few taps) x (one vector of channels) accumulated over the tile's pixels, each column
+      vector feeding every output channel of the block;
+    - the sums are kept ``[output channel, tap, channel]``, each element added over the images
+      and pixels in order: the result does not depend on the threads.
+    """
+    block = sch.get_sblock("weight_sum")
+    columns = sch.get_sblock("columns")
+    channels_last_input(sch, columns)
+    sch.transform_layout(columns, ("write", 0), lambda n, c, k, p: (n, p, k, c))
+    sch.transform_layout(block, ("write", 0), lambda o, c, k: (o, k, c))
+    o, c, k, wn, wp = sch.get_loops(block)
+    taps = int(sch.get(k).extent)
+    c_outer, c_inner = sch.split(c, [None, lanes])
+    o_outer, o_inner = sch.split(o, [None, outputs_per_block])
+    k_outer, k_inner = sch.split(k, [None, _tap_block(taps)])
+    wp_outer, wp_inner = sch.split(wp, [None, tile])
+    sch.reorder(c_outer, wn, wp_outer, o_outer, k_outer, wp_inner, o_inner, k_inner, c_inner)
+    sch.parallel(c_outer)
+    sch.unroll(o_inner)
+    sch.unroll(k_inner)
+    sch.vectorize(c_inner)
+    sch.compute_at(columns, wp_outer)
+    # compute_at leaves one loop per axis longer than one, in the order of the columns' axes
+    extents = {"channel": lanes, "tap": taps, "pixel": tile}
+    axes = [name for name, extent in extents.items() if extent > 1]
+    loops = dict(zip(axes, sch.get_loops(columns)[-len(axes) :], strict=True))
+    order = [loops[name] for name in ("pixel", "tap", "channel") if name in loops]
+    if len(order) > 1:
+        sch.reorder(*order)
+    sch.vectorize(loops["channel"])
+    sch.decompose_reduction(block, wn)
+
+
+def grad_input_block(shape: ConvShape, target: Target) -> int:
+    """The channels a block of the input's scatter fills at once on ``target``: the most, up
+    to a vector of the accumulator, that divide an offset group's channels (a power of two),
+    fewer (down to 4) while the blocks of one image would leave some of the target's cores
+    idle; 1 where no such block divides the group."""
+    per_group = shape.in_channels // shape.offset_groups
+    cores = int(target.attrs.get("num-cores", 1))
+    block = vector_lanes(target, shape.accumulator_dtype)
+    while block > 1 and per_group % block:
+        block //= 2
+    while block > 4 and shape.in_channels // block < cores:
+        block //= 2
+    return block if block >= 4 else 1
 
 
 class GradInputCPU(Rule):

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torchvision.ops
 from conftest import assert_close
-from inputs import CONFIGS, make_inputs
+from inputs import CONFIGS, WIDE_CONFIGS, make_inputs, shape_of
 
-from tvm_deform import DeformConv2d, deform_conv2d
-from tvm_deform.ir.definition import Gradients
-from tvm_deform.runtime import kernels
+from tvm_deform import DeformConv2d, deform_conv2d, schedules
+from tvm_deform.ir import definition
+from tvm_deform.ir.definition import ConvShape, Gradients
+from tvm_deform.runtime import calls, kernels, targets
 
 #: the whole module is slow (many kernels, whole models or subprocesses): `pytest -m "not slow"`
 #: leaves it out of the quick loop; CI runs it
@@ -343,3 +346,65 @@ def test_training_steps_track_torchvision():
         ours.state_dict().items(), theirs.state_dict().items(), strict=True
     ):
         assert_close(a, b, 1e-5, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("cfg", WIDE_CONFIGS, ids=lambda cfg: None)
+def test_wide_layers_gradients_match_torchvision(cfg, dtype):
+    """Layers wide enough for the CPU's vectors of channels: the weight's gradient vectorised
+    along the channels, the input's scatter in blocks of channels."""
+    shape = shape_of(cfg, dtype)
+    assert schedules.grad_input_channel_block(shape, targets.host_target()) > 1
+    _, ours = gradients(deform_conv2d, make_inputs(cfg, dtype))
+    _, exact = gradients(torchvision.ops.deform_conv2d, make_inputs(cfg, torch.float64))
+    for name in ours:
+        assert_close(ours[name], exact[name], 5e-6 if dtype == torch.float32 else 1e-12, name)
+
+
+@pytest.mark.parametrize("block", [4, 8, 16])
+def test_the_input_scatter_in_blocks_of_channels_gives_the_same_bits(block):
+    """Blocks of channels add every sample into the input's gradient in the same order as a
+    plane per channel: the same bits, for any size and one size."""
+    shape = ConvShape(2, 32, 9, 13, 8, 3, 3, pad_h=1, pad_w=1, offset_groups=2)
+    target = targets.host_target()
+    g = torch.Generator().manual_seed(0)
+    for sizes in ("static", "symbolic"):
+        quantum = 16
+        buffers = definition.backward_buffer_shapes(shape, quantum=quantum, any_size=True)
+        pixels = buffers["grad_columns"][-1]
+        rows_shape, coef_shape = buffers["sample_rows"], buffers["sample_coef"]
+        args = [
+            torch.randn(buffers["grad_columns"], generator=g),
+            torch.randint(0, shape.height, rows_shape, generator=g, dtype=torch.int32),
+            torch.randint(0, shape.width, rows_shape, generator=g, dtype=torch.int32),
+            torch.randn(coef_shape, generator=g),
+        ]
+        results = []
+        for channel_block in (1, block):
+            func = definition.grad_input(shape, "global", sizes, quantum, channel_block)
+            sch = schedules.apply_default("grad_input", func, target)
+            kernel = kernels.compile_schedule(sch, target)["deform_conv2d_grad_input"]
+            result = torch.empty(shape.batch, shape.in_channels, shape.height, shape.width)
+            kernel(*args, result)
+            results.append(result)
+        assert pixels % quantum == 0
+        assert torch.equal(results[0], results[1]), sizes
+    with pytest.raises(ValueError, match="channel block"):
+        definition.grad_input(shape, "global", channel_block=32)
+
+
+def test_cpu_workspaces_are_kept_for_the_next_call():
+    cpu = torch.device("cpu")
+    specs = [((3, 5), torch.int32), ((2, 7, 3), torch.float64), ((11,), torch.float32)]
+    first = calls.scratch(cpu, specs)
+    assert [(tuple(t.shape), t.dtype) for t in first] == [(s, d) for s, d in specs]
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in first)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
+    assert all(t.data_ptr() % 64 == 0 for t in first)
+    again = calls.scratch(cpu, specs[:2])
+    assert [t.data_ptr() for t in again] == [t.data_ptr() for t in first[:2]]
+    other = []
+    thread = threading.Thread(target=lambda: other.extend(calls.scratch(cpu, specs)))
+    thread.start()
+    thread.join()
+    assert other[0].data_ptr() != first[0].data_ptr()
