@@ -451,11 +451,11 @@ def tune(
         kept = [*spaces, DEFAULT_SPACE] if measure_default else spaces
         write_pruned_logs(work_dir, logs_dir, workloads, kept, target, ops, cpu)
         if fleet is None and key == targets.hardware_key(targets.host_target()):
-            _decide_through_the_op(workloads, tasks, target, Path(logs_dir), progress)
+            decide_through_the_op(workloads, tasks, target, Path(logs_dir), progress)
     return results
 
 
-def _decide_through_the_op(
+def decide_through_the_op(
     workloads: dict[str, ConvShape],
     tasks: list[tuple[str, str]],
     target: Target,
