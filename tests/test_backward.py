@@ -167,7 +167,11 @@ def test_zero_offsets_give_conv2d_gradients():
 @pytest.mark.parametrize(
     "dtype, rtol", [(torch.float16, 2e-3), (torch.bfloat16, 1.5e-2)], ids=["fp16", "bf16"]
 )
-@pytest.mark.parametrize("cfg", CONFIGS[:4], ids=[f"cfg{i}" for i in range(4)])
+@pytest.mark.parametrize(
+    "cfg",
+    CONFIGS[:4] + WIDE_CONFIGS[:3],
+    ids=[f"cfg{i}" for i in range(4)] + ["wide0", "wide1", "wide2"],
+)
 def test_half_precision_gradients_match_upcast_torchvision(cfg, dtype, rtol):
     args = make_inputs(cfg, dtype)
     upcast = {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
