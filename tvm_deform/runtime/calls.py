@@ -239,7 +239,7 @@ def run_backward(
 #: the most bytes of CPU workspaces (the backward's column gradient and sampling geometry) a
 #: thread keeps for its next call: fresh pages of a large allocation are faulted in and zeroed
 #: by the kernel at every call (about 9 ms of a 38 MB column gradient on a 2-core Zen 4)
-SCRATCH_BYTES = 512 * 2**20
+SCRATCH_BYTES = 256 * 2**20
 
 #: the bytes each workspace starts on a multiple of
 _SCRATCH_ALIGN = 64
