@@ -367,9 +367,12 @@ def _weight_sum_along_channels(
     sch.unroll(k_inner)
     sch.vectorize(c_inner)
     sch.decompose_reduction(partial, wp_inner)
-    sch.reverse_compute_at(block, k_outer)
-    block_outputs, block_taps = int(sch.get(o_inner).extent), int(sch.get(k_inner).extent)
-    _channels_innermost(sch, block, {"output": block_outputs, "channel": lanes, "tap": block_taps})
+    # Unit loops kept: a design space's trace must make the same loops whatever the sampled
+    # block (a replayed trace checks how many loops each instruction returns).
+    sch.reverse_compute_at(block, k_outer, preserve_unit_loops=True)
+    *_, output, channel, tap = sch.get_loops(block)
+    sch.reorder(output, tap, channel)
+    sch.vectorize(channel)
     sch.decompose_reduction(block, tiles)
     sch.compute_at(columns, tiles)
     _channels_innermost(sch, columns, {"channel": lanes, "tap": taps, "pixel": tile}, "pixel")
