@@ -905,15 +905,30 @@ def grad_input(
     return func
 
 
-def _grad_input_sizes(shape: ConvShape, sizes: str, pixel_quantum: int):
-    """The shape (symbolic with ``sizes``) and the function that makes an extent of it an
-    index: as it is, in int32 for symbolic sizes; in int64 when a buffer passes int32's range,
-    as :func:`_prim_func` does."""
+def _grad_input_extents(shape: ConvShape, sizes: str, pixel_quantum: int) -> tuple:
+    """The extents of :func:`grad_input`'s PrimFunc (batch, channels, height, width, taps,
+    pixels, channels an offset group) and the shapes of its buffers (grad_columns,
+    sample_rows and sample_cols, sample_coef, grad_input): symbolic with ``sizes``, in int32;
+    else in int64 when a buffer passes int32's range, as :func:`_prim_func` does."""
     if sizes == "symbolic":
-        return symbolic(shape), lambda v: v
+        shape = symbolic(shape)
+        size = lambda v: v  # noqa: E731 - sizes and expressions as they are, in int32
+    else:
+        shapes = backward_buffer_shapes(shape, quantum=pixel_quantum)
+        largest = max(math.prod(s) for s in shapes.values())
+        size = (lambda v: tirx.IntImm("int64", v)) if largest > INT32_MAX else int
     shapes = backward_buffer_shapes(shape, quantum=pixel_quantum)
-    largest = max(math.prod(s) for s in shapes.values())
-    return shape, (lambda v: tirx.IntImm("int64", v)) if largest > INT32_MAX else int
+    extents = (
+        shape.batch,
+        shape.in_channels,
+        shape.height,
+        shape.width,
+        shape.taps,
+        shape.out_h * shape.out_w,
+        shape.in_channels // shape.offset_groups,
+    )
+    names = ("grad_columns", "sample_rows", "sample_coef", "grad_input")
+    return (*map(size, extents), *(tuple(map(size, shapes[name])) for name in names))
 
 
 def _grad_input_blocks(
@@ -921,18 +936,10 @@ def _grad_input_blocks(
 ) -> tirx.PrimFunc:
     """:func:`grad_input` with a plane per ``block`` channels, ``[y, x, channel]``."""
     dtype, acc = shape.dtype, shape.accumulator_dtype
-    shape, size = _grad_input_sizes(shape, sizes, pixel_quantum)
-    shapes = backward_buffer_shapes(shape, quantum=pixel_quantum)
-    n_, c_, h_, w_, taps = map(
-        size, (shape.batch, shape.in_channels, shape.height, shape.width, shape.taps)
-    )
-    pixels = size(shape.out_h * shape.out_w)
-    per_group = size(shape.in_channels // shape.offset_groups)
-    blocks = size(shape.in_channels // block)
-    columns_shape, rows_shape, coef_shape, input_shape = (
-        tuple(map(size, shapes[name]))
-        for name in ("grad_columns", "sample_rows", "sample_coef", "grad_input")
-    )
+    extents = _grad_input_extents(shape, sizes, pixel_quantum)
+    n_, c_, h_, w_, taps, pixels, per_group = extents[:7]
+    columns_shape, rows_shape, coef_shape, input_shape = extents[7:]
+    blocks = c_ // block
 
     @T.prim_func(s_tir=True)
     def func(
@@ -988,18 +995,10 @@ def _grad_input(
     shape: ConvShape, plane_scope: str, sizes: str, pixel_quantum: int
 ) -> tirx.PrimFunc:
     dtype, acc = shape.dtype, shape.accumulator_dtype
-    shape, size = _grad_input_sizes(shape, sizes, pixel_quantum)
-    shapes = backward_buffer_shapes(shape, quantum=pixel_quantum)
-    n_, c_, h_, w_, taps = map(
-        size, (shape.batch, shape.in_channels, shape.height, shape.width, shape.taps)
-    )
-    pixels = size(shape.out_h * shape.out_w)
-    per_group = size(shape.in_channels // shape.offset_groups)
+    extents = _grad_input_extents(shape, sizes, pixel_quantum)
+    n_, c_, h_, w_, taps, pixels, per_group = extents[:7]
     # Plain names: the TVMScript parser treats a string inside an annotation as a variable name.
-    columns_shape, rows_shape, coef_shape, input_shape = (
-        tuple(map(size, shapes[name]))
-        for name in ("grad_columns", "sample_rows", "sample_coef", "grad_input")
-    )
+    columns_shape, rows_shape, coef_shape, input_shape = extents[7:]
 
     @T.macro
     def scatter(plane, image, channel, gradient, rows, cols, coefs, result):
