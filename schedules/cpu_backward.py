@@ -20,8 +20,9 @@ Two rules (:class:`tvm_deform.schedules.rule.Rule`), one per backward PrimFunc o
     reduction is vectorised, parallel over output channels, the partial sums added in a fixed
     order. Either way the result does not depend on the threads.
 
-- ``GradInputCPU`` for ``deform_conv2d_grad_input``: the scatter, parallel over the
-  (n, c) image planes, which never share memory.
+- ``GradInputCPU`` for ``deform_conv2d_grad_input``: the scatter, parallel over its blocks
+  (an image plane, or the planes of a block of channels: :func:`grad_input_block`), which
+  never share memory.
 
 No loop that reduces is ever split across threads, so every gradient is bit-identical from run to
 run and independent of the thread count.
@@ -406,8 +407,8 @@ def grad_input_block(shape: ConvShape, target: Target) -> int:
 
 
 class GradInputCPU(Rule):
-    """The CPU schedule of ``deform_conv2d_grad_input``: parallel over image planes. It has
-    nothing to tune: its space is the default alone."""
+    """The CPU schedule of ``deform_conv2d_grad_input``: parallel over its blocks (image
+    planes, or blocks of channels). It has nothing to tune: its space is the default alone."""
 
     kernel = "grad_input"
     target_kind = "llvm"
