@@ -368,27 +368,18 @@ def _weight_sum_along_channels(
     sch.unroll(k_inner)
     sch.vectorize(c_inner)
     sch.decompose_reduction(partial, wp_inner)
-    # Unit loops kept: a design space's trace must make the same loops whatever the sampled
-    # block (a replayed trace checks how many loops each instruction returns).
+    # Unit loops kept, here and for the columns: a design space's trace must make the same
+    # loops whatever the sampled block (a replayed trace checks how many loops each
+    # instruction returns).
     sch.reverse_compute_at(block, k_outer, preserve_unit_loops=True)
     *_, output, channel, tap = sch.get_loops(block)
     sch.reorder(output, tap, channel)
     sch.vectorize(channel)
     sch.decompose_reduction(block, tiles)
-    sch.compute_at(columns, tiles)
-    _channels_innermost(sch, columns, {"channel": lanes, "tap": taps, "pixel": tile}, "pixel")
-
-
-def _channels_innermost(sch: s_tir.Schedule, block, extents: dict[str, int], first=None) -> None:
-    """Reorder the loops that compute_at left ``block`` (one per axis longer than one, in the
-    order of ``extents``, its axes) to ``first``, the others, then the channels, vectorised."""
-    axes = [name for name, extent in extents.items() if extent > 1]
-    loops = dict(zip(axes, sch.get_loops(block)[-len(axes) :], strict=True))
-    names = [first] if first in loops else []
-    names += [name for name in axes if name not in (first, "channel")] + ["channel"]
-    if len(names) > 1:
-        sch.reorder(*(loops[name] for name in names))
-    sch.vectorize(loops["channel"])
+    sch.compute_at(columns, tiles, preserve_unit_loops=True)
+    *_, channel, tap, pixel = sch.get_loops(columns)
+    sch.reorder(pixel, tap, channel)
+    sch.vectorize(channel)
 
 
 def grad_input_block(shape: ConvShape, target: Target) -> int:

@@ -269,7 +269,7 @@ def compile_backward(
         # On a GPU each thread's plane is its own: in local memory where its size is known,
         # else in a scratch buffer the call passes.
         scope = ("local" if sizes == "static" else "workspace") if cuda else "global"
-        block = 1 if cuda else schedules.grad_input_channel_block(shape, target)
+        block = schedules.grad_input_channel_block(shape, target)
         func = definition.grad_input(shape, scope, sizes, quantum, block)
         scatter = schedules.apply_default("grad_input", func, target)
         functions["deform_conv2d_grad_input"] = scatter.mod["main"]
