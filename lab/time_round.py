@@ -170,7 +170,14 @@ class LibraryCandidate:
 
         module = tvm.runtime.load_module(str(directory / entry["library"]))
         self.function = module[entry.get("function", "deform_conv2d")]
-        self.values = list(args.values())
+        # A workspace the candidate lays out otherwise (the same elements) is viewed so.
+        shapes = entry.get("shapes", {})
+        self.values = [
+            value.view(shapes[name])
+            if list(shapes.get(name, value.shape)) != list(value.shape)
+            else value
+            for name, value in args.items()
+        ]
 
     def __call__(self) -> None:
         self.function(*self.values)

@@ -22,7 +22,12 @@ from tvm_deform.schedules.common import lanes
 from tvm_deform.schedules.cpu import FORWARD_RULES as CPU_FORWARD_RULES
 from tvm_deform.schedules.cpu import pixel_classes as cpu_pixel_classes
 from tvm_deform.schedules.cpu import pixel_quantum as cpu_pixel_quantum
-from tvm_deform.schedules.cpu_backward import BackwardCPU, GradInputCPU, grad_input_block
+from tvm_deform.schedules.cpu_backward import (
+    BackwardCPU,
+    GradInputCPU,
+    columns_fit_vectors,
+    grad_input_block,
+)
 from tvm_deform.schedules.cuda import OnePassCUDA, SampleOnceCUDA, SplitReductionCUDA
 from tvm_deform.schedules.cuda_backward import BackwardCUDA, GradInputCUDA
 from tvm_deform.schedules.cuda_tensor_core import MIN_ARCH as TENSOR_CORE_MIN_ARCH
@@ -139,6 +144,17 @@ def grad_input_channel_block(shape: ConvShape, target: Target) -> int:
     if target.kind.name != "llvm":
         return 1
     return grad_input_block(shape, target)
+
+
+def channels_last_columns(shape: ConvShape, target: Target) -> bool:
+    """Whether the backward kernels of ``shape`` on ``target`` lay the column gradient out
+    channels-last, ``[n, p, k * channels + c]`` (on a CPU whose vectors divide the channels of
+    an offset group), which the input's scatter then reads so
+    (``definition.grad_input(..., channels_last_columns=True)``); else ``[n, c, k, p]``."""
+    if target.kind.name != "llvm":
+        return False
+    vector = lanes(target, shape.accumulator_dtype)
+    return columns_fit_vectors(shape.in_channels, shape.offset_groups, vector)
 
 
 def forward_schedule(

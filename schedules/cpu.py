@@ -600,14 +600,15 @@ def input_is_channels_last(sch: s_tir.Schedule) -> bool:
     return attrs is not None and str(attrs.get("data_layout", "NCHW")) == "NHWC"
 
 
-def channels_last_input(sch: s_tir.Schedule, consumer) -> None:
-    """Make ``consumer`` read the input from an NHWC copy (stage ``data_global``), filled in
-    parallel over the image rows before everything else; nothing to do when the input is
-    NHWC already."""
+def channels_last_input(sch: s_tir.Schedule, consumer, *others) -> None:
+    """Make ``consumer`` (and ``others``) read the input from one NHWC copy (stage
+    ``data_global``), filled in parallel over the image rows before everything else; nothing to
+    do when the input is NHWC already."""
     if input_is_channels_last(sch):
         return
     reads = [str(region.source.name) for region in sch.get(consumer).reads]
-    copy = sch.cache_read(consumer, reads.index("data"), "global")
+    consumers = [consumer, *others] if others else None
+    copy = sch.cache_read(consumer, reads.index("data"), "global", consumer_blocks=consumers)
     sch.transform_layout(copy, ("write", 0), lambda n, c, y, x: (n, y, x, c))
     n, c, y, x = sch.get_loops(copy)
     channels, width = (sch.get(loop).extent for loop in (c, x))

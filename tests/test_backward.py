@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 import torchvision.ops
 from conftest import assert_close
-from inputs import CONFIGS, WIDE_CONFIGS, make_inputs, shape_of
+from inputs import CONFIGS, DEPTHWISE_CONFIGS, WIDE_CONFIGS, make_inputs, shape_of
 
 from tvm_deform import DeformConv2d, deform_conv2d, schedules
 from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape, Gradients
-from tvm_deform.runtime import calls, kernels, targets
+from tvm_deform.runtime import calls, kernels, records, targets
 
 #: the whole module is slow (many kernels, whole models or subprocesses): `pytest -m "not slow"`
 #: leaves it out of the quick loop; CI runs it
@@ -383,18 +384,63 @@ def test_the_input_scatter_in_blocks_of_channels_gives_the_same_bits(block):
             torch.randint(0, shape.width, rows_shape, generator=g, dtype=torch.int32),
             torch.randn(coef_shape, generator=g),
         ]
+        # the column gradient laid out [n, p, k * channels + c], as the CPU's backward writes it
+        n, c, k, p = buffers["grad_columns"]
+        channels_last = args[0].permute(0, 3, 2, 1).contiguous().view(n, p, k * c)
         results = []
-        for channel_block in (1, block):
-            func = definition.grad_input(shape, "global", sizes, quantum, channel_block)
+        for channel_block, layout in ((1, False), (block, False), (block, True)):
+            func = definition.grad_input(shape, "global", sizes, quantum, channel_block, layout)
             sch = schedules.apply_default("grad_input", func, target)
             kernel = kernels.compile_schedule(sch, target)["deform_conv2d_grad_input"]
             result = torch.empty(shape.batch, shape.in_channels, shape.height, shape.width)
-            kernel(*args, result)
+            kernel(channels_last if layout else args[0], *args[1:], result)
             results.append(result)
         assert pixels % quantum == 0
         assert torch.equal(results[0], results[1]), sizes
+        assert torch.equal(results[0], results[2]), sizes
     with pytest.raises(ValueError, match="channel block"):
         definition.grad_input(shape, "global", channel_block=32)
+    with pytest.raises(ValueError, match="blocks of channels"):
+        definition.grad_input(shape, "global", channel_block=1, channels_last_columns=True)
+
+
+def test_the_column_gradient_is_channels_last_where_vectors_divide_an_offset_group():
+    """The CPU's backward lays its column gradient out channels-last where a vector divides
+    each offset group's channels (the wide and depthwise layers the tests compare with
+    torchvision take that path), never on a GPU; the kernels say so to the caller."""
+    host = targets.host_target()
+    lanes = schedules.lanes(host, "float32")
+    wide = [shape_of(cfg, torch.float32) for cfg in WIDE_CONFIGS + DEPTHWISE_CONFIGS]
+    taking = [s for s in wide if schedules.channels_last_columns(s, host)]
+    assert taking and lanes >= 4
+    assert all((s.in_channels // s.offset_groups) % lanes == 0 for s in taking)
+    seed = ConvShape(2, 3, 5, 5, 5, 3, 3)
+    assert not schedules.channels_last_columns(seed, host)
+    assert not schedules.channels_last_columns(taking[0], targets.cuda_target("sm_90", 132))
+    assert kernels.get_backward(taking[0], host).channels_last_columns
+    weight_only = Gradients(input=False, sampling=False, weight=True)
+    assert not kernels.get_backward(taking[0], host, gradients=weight_only).channels_last_columns
+
+
+def test_a_tuned_record_with_the_older_column_layout_gives_way_to_the_default(monkeypatch):
+    """A backward record tuned before the column gradient went channels-last replays a
+    schedule whose workspace the caller would lay out wrongly: the default runs instead, with
+    a warning."""
+    from tvm.s_tir import meta_schedule as ms
+    from tvm_deform.schedules import cpu_backward
+
+    shape = shape_of(WIDE_CONFIGS[0], torch.float32)
+    host = targets.host_target()
+    assert schedules.channels_last_columns(shape, host)
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_backward, "columns_along_channels", lambda sch, lanes: False)
+        old = schedules.apply_default("backward", definition.backward(shape), host)
+    workload = ms.database.Workload(records.workload_module(shape, "backward"))
+    tuning = ms.database.TuningRecord(old.trace, workload, [1e-3], host, None)
+    record = records.TunedRecord(Path("."), "llvm/test", "test", 1.0, tuning)
+    with pytest.warns(RuntimeWarning, match="older version"):
+        module = kernels.compile_backward(shape, host, record)
+    assert module["deform_conv2d_backward"] is not None
 
 
 def test_cpu_workspaces_are_kept_for_the_next_call():

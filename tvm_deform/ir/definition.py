@@ -867,6 +867,7 @@ def grad_input(
     sizes: str = "static",
     pixel_quantum: int = PIXEL_QUANTUM,
     channel_block: int = 1,
+    channels_last_columns: bool = False,
 ) -> tirx.PrimFunc:
     """The second backward PrimFunc, ``deform_conv2d_grad_input``: the input's gradient.
 
@@ -883,6 +884,9 @@ def grad_input(
     that many channels of one offset group at once, laid out ``[y, x, channel]``: the channels
     are the innermost loop (vectorised), and each sample's corners, coefficients and column
     gradients are read once for the block. Every element is still added to in the same order.
+    With ``channels_last_columns`` as well, it reads the column gradient laid out
+    ``[n, p, k * channels + c]`` (a CPU schedule of :func:`backward` writes it so), each
+    sample's block of column gradients one contiguous vector.
 
     Arguments: grad_columns, sample_rows, sample_cols, sample_coef (written by
     :func:`backward`), grad_input. ``sizes`` and ``pixel_quantum`` as for :func:`backward`.
@@ -895,9 +899,13 @@ def grad_input(
             f"multiple of its channels, got {plane_scope!r} and "
             f"{shape.in_channels // shape.offset_groups} channels a group"
         )
+    if channels_last_columns and channel_block == 1:
+        raise ValueError("channels-last column gradients are read in blocks of channels")
     with pseudo_frames_answered_at_once():  # its TVMScript parses without inspect's scans
         if channel_block > 1:
-            func = _grad_input_blocks(shape, sizes, pixel_quantum, channel_block)
+            func = _grad_input_blocks(
+                shape, sizes, pixel_quantum, channel_block, channels_last_columns
+            )
         else:
             func = _grad_input(shape, plane_scope, sizes, pixel_quantum)
     if sizes == "symbolic":
@@ -932,14 +940,30 @@ def _grad_input_extents(shape: ConvShape, sizes: str, pixel_quantum: int) -> tup
 
 
 def _grad_input_blocks(
-    shape: ConvShape, sizes: str, pixel_quantum: int, block: int
+    shape: ConvShape, sizes: str, pixel_quantum: int, block: int, channels_last: bool
 ) -> tirx.PrimFunc:
-    """:func:`grad_input` with a plane per ``block`` channels, ``[y, x, channel]``."""
+    """:func:`grad_input` with a plane per ``block`` channels, ``[y, x, channel]``, reading
+    the column gradient ``[n, c, k, p]``, or ``[n, p, k * channels + c]`` when
+    ``channels_last``."""
     dtype, acc = shape.dtype, shape.accumulator_dtype
     extents = _grad_input_extents(shape, sizes, pixel_quantum)
     n_, c_, h_, w_, taps, pixels, per_group = extents[:7]
     columns_shape, rows_shape, coef_shape, input_shape = extents[7:]
     blocks = c_ // block
+    if channels_last:
+        columns_shape = (columns_shape[0], columns_shape[3], columns_shape[2] * columns_shape[1])
+
+    # Plain functions, called while the TVMScript below is parsed: the layout's load and the
+    # region a block reads.
+    def column_gradient(columns, image, channel, k, p):
+        if channels_last:
+            return columns[image, p, k * c_ + channel]
+        return columns[image, channel, k, p]
+
+    def columns_read(columns, image, first):
+        if channels_last:
+            return columns[image, 0:pixels, 0 : taps * c_]
+        return columns[image, first : first + block, 0:taps, 0:pixels]
 
     @T.prim_func(s_tir=True)
     def func(
@@ -954,7 +978,7 @@ def _grad_input_blocks(
             with T.sblock("grad_input"):
                 vn, vb = T.axis.remap("SS", [n, b])
                 T.reads(
-                    grad_columns[vn, vb * block : vb * block + block, 0:taps, 0:pixels],
+                    columns_read(grad_columns, vn, vb * block),
                     sample_rows[vn, vb * block // per_group, 0:taps, 0:2, 0:pixels],
                     sample_cols[vn, vb * block // per_group, 0:taps, 0:2, 0:pixels],
                     sample_coef[vn, vb * block // per_group, 0:taps, 0:4, 0:pixels],
@@ -970,7 +994,7 @@ def _grad_input_blocks(
                 # :func:`_grad_input`).
                 for k, p in T.grid(taps, pixels):
                     for i in T.vectorized(block):
-                        column[i] = grad_columns[vn, vb * block + i, k, p]
+                        column[i] = column_gradient(grad_columns, vn, vb * block + i, k, p)
                     for q in T.unroll(4):
                         for i in T.vectorized(block):
                             plane[

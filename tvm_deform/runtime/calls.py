@@ -330,7 +330,11 @@ def _run_backward_kernels(
         (shapes["sample_coef"], acc),
     ]
     if gradients.needs_grad_columns:
-        specs.insert(0, (shapes["grad_columns"], acc))
+        columns = shapes["grad_columns"]
+        if compiled.channels_last_columns:
+            n, c, k, p = columns
+            columns = (n, p, k * c)
+        specs.insert(0, (columns, acc))
     workspaces = scratch(input.device, specs)
     args = [input.contiguous(), offset.contiguous().view(shape.batch, -1, pixels)]
     if mask is not None:

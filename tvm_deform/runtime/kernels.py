@@ -68,6 +68,9 @@ class BackwardKernels(NamedTuple):
     #: whether the input's scatter takes a scratch buffer of its planes (``[n, c, h, w]`` in
     #: the accumulator dtype) before the gradient: a GPU kernel for any size
     plane_workspace: bool = False
+    #: whether the column gradient workspace is laid out ``[n, p, k * channels + c]`` rather
+    #: than ``[n, c, k, p]`` (see :func:`tvm_deform.schedules.channels_last_columns`)
+    channels_last_columns: bool = False
 
 
 @functools.cache
@@ -247,10 +250,19 @@ def compile_backward(
     ``quantum``, the kernels for any size of ``shape``'s layer, their pixels padded to it."""
     sizes = "static" if quantum is None else "symbolic"
     quantum = quantum or definition.PIXEL_QUANTUM
+    channels_last = gradients.needs_grad_columns and schedules.channels_last_columns(shape, target)
     if record is not None:
         if gradients != definition.ALL_GRADIENTS or sizes != "static":
             raise ValueError("tuned records are of the static backward of every gradient")
         sch = records.tuned_schedule(shape, record, "backward")
+        if _columns_channels_last(sch.mod["main"]) != channels_last:
+            warnings.warn(
+                f"{_record_name(record)} of {shape} lays out the column gradient as an older "
+                "version of tvm_deform did; the default schedule runs instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            sch = default_schedule(shape, target, "backward", gradients)
     elif sizes == "static":
         sch = default_schedule(shape, target, "backward", gradients)
     else:
@@ -270,7 +282,7 @@ def compile_backward(
         # else in a scratch buffer the call passes.
         scope = ("local" if sizes == "static" else "workspace") if cuda else "global"
         block = schedules.grad_input_channel_block(shape, target)
-        func = definition.grad_input(shape, scope, sizes, quantum, block)
+        func = definition.grad_input(shape, scope, sizes, quantum, block, channels_last)
         scatter = schedules.apply_default("grad_input", func, target)
         functions["deform_conv2d_grad_input"] = scatter.mod["main"]
     if cuda:
@@ -279,6 +291,12 @@ def compile_backward(
     target = codegen_target(target)
     with target:
         return tvm.compile(tvm.IRModule(functions), target=target)
+
+
+def _columns_channels_last(func: tvm.tirx.PrimFunc) -> bool:
+    """Whether the scheduled backward ``func`` takes its column gradient channels-last (the
+    three dimensions of ``[n, p, k * channels + c]``)."""
+    return any(str(p.name) == "grad_columns" and len(p.shape) == 3 for p in func.params)
 
 
 def _load_cached(path: Path) -> tvm.runtime.Module | None:
@@ -482,7 +500,7 @@ def get_backward(
         key = _index_key(op, shape, target, tuned and every)
         module = _from_index(key)
         if module is not None:
-            return _backward_kernels(module, gradients)
+            return _backward_kernels(module, shape, target, gradients)
         record = resolve(shape, target, tuned, "backward") if every else None
         found = load_backward(shape, target, record, gradients)
         _add_to_index(key, cache_path(shape, target, _schedule_name(record), op))
@@ -507,7 +525,7 @@ def _any_size_backward(
             lambda: compile_backward(layer, target, None, gradients, quantum),
             _describe(layer, target, op, "default"),
         )
-        return _backward_kernels(module, gradients)._replace(
+        return _backward_kernels(module, layer, target, gradients)._replace(
             quantum=quantum, any_size=True, plane_workspace=target.kind.name == "cuda"
         )
 
@@ -529,14 +547,20 @@ def load_backward(
         lambda: compile_backward(shape, target, record, gradients),
         _describe(shape, target, op, _record_name(record)),
     )
-    return _backward_kernels(module, gradients)
+    return _backward_kernels(module, shape, target, gradients)
 
 
 def _backward_kernels(
-    module: tvm.runtime.Module, gradients: definition.Gradients
+    module: tvm.runtime.Module,
+    shape: ConvShape,
+    target: Target,
+    gradients: definition.Gradients,
 ) -> BackwardKernels:
     scatter = module["deform_conv2d_grad_input"] if gradients.input else None
-    return BackwardKernels(module["deform_conv2d_backward"], scatter)
+    channels_last = gradients.needs_grad_columns and schedules.channels_last_columns(shape, target)
+    return BackwardKernels(
+        module["deform_conv2d_backward"], scatter, channels_last_columns=channels_last
+    )
 
 
 def _record_name(record: records.TunedRecord | None) -> str:

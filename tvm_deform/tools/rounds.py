@@ -321,7 +321,14 @@ def export_candidate(sch: s_tir.Schedule, target: Target, out_dir: Path, stem: s
         }
     library = out_dir / f"{stem}.so"
     compile_schedule(sch, target).export_library(str(library))
-    return {"library": library.name, "function": str(sch.mod["main"].attrs["global_symbol"])}
+    func = sch.mod["main"]
+    return {
+        "library": library.name,
+        "function": str(func.attrs["global_symbol"]),
+        # A schedule may lay out a workspace otherwise than the workload (the CPU backward's
+        # column gradient): the shape of each of the candidate's own parameters.
+        "shapes": {str(param.name): [int(d) for d in param.shape] for param in func.params},
+    }
 
 
 def _pack(text: str) -> str:
