@@ -223,7 +223,7 @@ def apply_backward_structure(sch: s_tir.Schedule, lanes: int, choices: BackwardC
     along_channels = columns_along_channels(sch, lanes)
     sampling = _block(sch, "sampling_grad")
     columns = None
-    if _weight_tile_along_channels(sch, lanes) is not None:
+    if _weight_tile_along_channels(sch, lanes) or _weight_tile_depthwise(sch, lanes):
         columns = sch.get_sblock("columns")
     # One NHWC copy of the input for the stages that sample it along the channels. Each block
     # is then passed on to its own schedule: a block that only cache_read's list of consumers
@@ -288,10 +288,14 @@ def _grad_columns(sch: s_tir.Schedule, rows, tile, channels_last: bool) -> None:
 
 def columns_fit_vectors(channels: int, offset_groups: int, lanes: int) -> bool:
     """Whether the column gradient of a layer of ``channels`` input channels is laid out
-    channels-last, ``[image, pixel, tap x channel]`` (see :func:`_grad_columns`): where a
-    vector of at least 4 lanes divides the channels of every offset group, so that the
-    sampling gradient sums them in vectors and the input's scatter reads them in blocks."""
-    return lanes >= 4 and (channels // offset_groups) % lanes == 0
+    channels-last, ``[image, pixel, tap x channel]`` (see :func:`_grad_columns`): where
+    vectors of at least 4 lanes divide the channels of every offset group, and there are two
+    or more of them, so that the sampling gradient sums the channels in vectors and the
+    input's scatter reads them in blocks. With one vector a group, the sum of its lanes at
+    every pixel costs as much as the vectors save: the sampling gradient of 4 offset groups
+    of 16 channels took 1.06x as long so (Zen 4)."""
+    per_group = channels // offset_groups
+    return lanes >= 4 and per_group % lanes == 0 and per_group >= 2 * lanes
 
 
 def columns_along_channels(sch: s_tir.Schedule, lanes: int) -> bool:
@@ -349,6 +353,10 @@ def _weight_sum(sch: s_tir.Schedule, lanes: int, outputs_per_block, columns) -> 
     if tile is not None:
         _weight_sum_along_channels(sch, lanes, tile, outputs_per_block, columns)
         return {"columns"}
+    tile = _weight_tile_depthwise(sch, lanes)
+    if tile is not None:
+        _weight_sum_depthwise(sch, lanes, tile, columns)
+        return {"columns"}
     block = sch.get_sblock("weight_sum")
     o, c, k, wn, wp = sch.get_loops(block)
     pixels = sch.get(wp).extent
@@ -386,6 +394,34 @@ def _tap_block(taps: int) -> int:
     return largest_divisor(taps, 3)
 
 
+def _weight_tile_depthwise(sch: s_tir.Schedule, lanes: int) -> int | None:
+    """The pixel tile of a depthwise ``weight_sum`` along its channels (see
+    :func:`_weight_sum_depthwise`), or None where that structure does not apply: not one
+    input and one output channel per weight group, channels that no vector divides, or a
+    symbolic pixel count not known to divide into tiles."""
+    block = _block(sch, "weight_sum")
+    if block is None:
+        return None
+    o, c, _, _, wp = sch.get_loops(block)
+    outputs, per_group = int(sch.get(o).extent), int(sch.get(c).extent)
+    columns = sch.get_sblock("columns")
+    if per_group != 1 or outputs != int(sch.get(sch.get_loops(columns)[1]).extent):
+        return None
+    return _pixel_tile_of_weight_sum(sch, wp, outputs, lanes)
+
+
+def _pixel_tile_of_weight_sum(sch: s_tir.Schedule, wp, channels: int, lanes: int) -> int | None:
+    """The tile of the pixel loop ``wp`` of ``weight_sum`` along ``channels`` channels: None
+    where no vector divides them or a symbolic pixel count is not known to divide into
+    tiles."""
+    if channels % lanes:
+        return None
+    pixels = sch.get(wp).extent
+    if isinstance(pixels, tirx.IntImm):
+        return largest_divisor(int(pixels), 4 * lanes)
+    return 2 * lanes if _divides_padded(sch, pixels, 2 * lanes) else None
+
+
 def _weight_tile_along_channels(sch: s_tir.Schedule, lanes: int) -> int | None:
     """The pixel tile of ``weight_sum`` along the input channels (see
     :func:`_weight_sum_along_channels`), or None where that structure does not apply: grouped
@@ -397,12 +433,9 @@ def _weight_tile_along_channels(sch: s_tir.Schedule, lanes: int) -> int | None:
     _, c, _, _, wp = sch.get_loops(block)
     channels = int(sch.get(c).extent)
     columns = sch.get_sblock("columns")
-    if channels != int(sch.get(sch.get_loops(columns)[1]).extent) or channels % lanes:
+    if channels != int(sch.get(sch.get_loops(columns)[1]).extent):
         return None
-    pixels = sch.get(wp).extent
-    if isinstance(pixels, tirx.IntImm):
-        return largest_divisor(int(pixels), 4 * lanes)
-    return 2 * lanes if _divides_padded(sch, pixels, 2 * lanes) else None
+    return _pixel_tile_of_weight_sum(sch, wp, channels, lanes)
 
 
 def _weight_sum_along_channels(
@@ -457,6 +490,67 @@ def _weight_sum_along_channels(
     *_, channel, tap, pixel = sch.get_loops(columns)
     sch.reorder(pixel, tap, channel)
     sch.vectorize(channel)
+
+
+def _weight_sum_depthwise(sch: s_tir.Schedule, lanes: int, tile: int, columns) -> None:
+    """A depthwise ``weight_sum`` (one input and one output channel per group: each weight
+    element a dot product of one channel's output gradient with its columns) vectorised along
+    the channels, as :func:`_weight_sum_along_channels` is: the columns of a tile of pixels
+    sampled channels-last from the NHWC copy of the input, the output gradient copied
+    channels-last once (8x8 blocks transposed in registers); parallel over vectors of
+    channels, a register block of every tap x one vector of channels per tile, its sums
+    added into the whole sums (kept ``[tap, channel]``) after the tile, in a fixed order."""
+    block = sch.get_sblock("weight_sum")
+    reads = [str(region.source.name) for region in sch.get(block).reads]
+    gradient = next(i for i, name in enumerate(reads) if name.startswith("grad_output"))
+    copy = sch.cache_read(block, gradient, "global")
+    sch.transform_layout(copy, ("write", 0), lambda n, o, p: (n, p, o))
+    _transpose_in_blocks(sch, copy)
+    sch.transform_layout(columns, ("write", 0), lambda n, c, k, p: (n, p, k, c))
+    sch.transform_layout(block, ("write", 0), lambda o, c, k: (c, k, o))
+    o, c, k, wn, wp = sch.get_loops(block)
+    wp_outer, wp_inner = sch.split(wp, [None, tile])
+    tiles = sch.fuse(wn, wp_outer)
+    partial = sch.rfactor(tiles, 0)
+    o, c, k, tiles, wp_inner = sch.get_loops(partial)
+    o_outer, o_inner = sch.split(o, [None, lanes])
+    sch.reorder(o_outer, tiles, c, wp_inner, k, o_inner)
+    sch.parallel(o_outer)
+    sch.unroll(k)
+    sch.vectorize(o_inner)
+    sch.decompose_reduction(partial, wp_inner)
+    sch.reverse_compute_at(block, c, preserve_unit_loops=True)
+    *_, output, channel, tap = sch.get_loops(block)
+    sch.reorder(channel, tap, output)
+    sch.vectorize(output)
+    sch.decompose_reduction(block, tiles)
+    sch.compute_at(columns, tiles, preserve_unit_loops=True)
+    *_, channel, tap, pixel = sch.get_loops(columns)
+    sch.reorder(pixel, tap, channel)
+    sch.vectorize(channel)
+
+
+def _transpose_in_blocks(sch: s_tir.Schedule, copy) -> None:
+    """Schedule the copy ``copy`` of an ``[n, channel, pixel]`` buffer into ``[n, pixel,
+    channel]``: parallel over the images and rows of 8x8 blocks, each block's rows read as
+    vectors (LLVM transposes them in registers; one element at a time is a gather). Where 8
+    does not divide both axes, the pixels are the inner loop, not vectorised."""
+    n, channel, pixel = sch.get_loops(copy)
+    extents = [sch.get(loop).extent for loop in (channel, pixel)]
+    if all(isinstance(e, tirx.IntImm) and int(e) % 8 == 0 for e in extents) or (
+        int(extents[0]) % 8 == 0 and _divides_padded(sch, extents[1], 8)
+    ):
+        c_outer, c_inner = sch.split(channel, [None, 8])
+        p_outer, p_inner = sch.split(pixel, [None, 8])
+        sch.reorder(p_outer, c_outer, c_inner, p_inner)
+        sch.unroll(c_inner)
+        sch.vectorize(p_inner)
+        if isinstance(sch.get(p_outer).extent, tirx.IntImm):
+            sch.parallel(sch.fuse(n, p_outer))
+        else:
+            sch.parallel(p_outer)
+    else:
+        sch.parallel(n)
 
 
 def grad_input_block(shape: ConvShape, target: Target) -> int:

@@ -366,6 +366,23 @@ def test_wide_layers_gradients_match_torchvision(cfg, dtype):
         assert_close(ours[name], exact[name], 5e-6 if dtype == torch.float32 else 1e-12, name)
 
 
+#: depthwise layers: random ones, and two whose channels fill vectors (the weight's gradient
+#: vectorised along the channels; the first with channels-last column gradients too)
+DEPTHWISE_BACKWARD = DEPTHWISE_CONFIGS[:4] + [
+    DEPTHWISE_CONFIGS[0] | dict(c=64, o=64, groups=64, offset_groups=1),
+    DEPTHWISE_CONFIGS[1] | dict(c=32, o=32, groups=32, offset_groups=2),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("cfg", DEPTHWISE_BACKWARD, ids=lambda cfg: None)
+def test_depthwise_layers_gradients_match_torchvision(cfg, dtype):
+    _, ours = gradients(deform_conv2d, make_inputs(cfg, dtype))
+    _, exact = gradients(torchvision.ops.deform_conv2d, make_inputs(cfg, torch.float64))
+    for name in ours:
+        assert_close(ours[name], exact[name], 5e-6 if dtype == torch.float32 else 1e-12, name)
+
+
 @pytest.mark.parametrize("block", [4, 8, 16])
 def test_the_input_scatter_in_blocks_of_channels_gives_the_same_bits(block):
     """Blocks of channels add every sample into the input's gradient in the same order as a
@@ -405,15 +422,17 @@ def test_the_input_scatter_in_blocks_of_channels_gives_the_same_bits(block):
 
 
 def test_the_column_gradient_is_channels_last_where_vectors_divide_an_offset_group():
-    """The CPU's backward lays its column gradient out channels-last where a vector divides
-    each offset group's channels (the wide and depthwise layers the tests compare with
-    torchvision take that path), never on a GPU; the kernels say so to the caller."""
+    """The CPU's backward lays its column gradient out channels-last where vectors divide each
+    offset group's channels, two or more of them (some of the wide and depthwise layers the
+    tests compare with torchvision take that path), never on a GPU; the kernels say so to the
+    caller."""
     host = targets.host_target()
     lanes = schedules.lanes(host, "float32")
-    wide = [shape_of(cfg, torch.float32) for cfg in WIDE_CONFIGS + DEPTHWISE_CONFIGS]
+    wide = [shape_of(cfg, torch.float32) for cfg in WIDE_CONFIGS + DEPTHWISE_BACKWARD]
     taking = [s for s in wide if schedules.channels_last_columns(s, host)]
     assert taking and lanes >= 4
     assert all((s.in_channels // s.offset_groups) % lanes == 0 for s in taking)
+    assert all(s.in_channels // s.offset_groups >= 2 * lanes for s in taking)
     seed = ConvShape(2, 3, 5, 5, 5, 3, 3)
     assert not schedules.channels_last_columns(seed, host)
     assert not schedules.channels_last_columns(taking[0], targets.cuda_target("sm_90", 132))
@@ -429,9 +448,9 @@ def test_a_tuned_record_with_the_older_column_layout_gives_way_to_the_default(mo
     from tvm.s_tir import meta_schedule as ms
     from tvm_deform.schedules import cpu_backward
 
-    shape = shape_of(WIDE_CONFIGS[0], torch.float32)
     host = targets.host_target()
-    assert schedules.channels_last_columns(shape, host)
+    wide = (shape_of(cfg, torch.float32) for cfg in WIDE_CONFIGS)
+    shape = next(s for s in wide if schedules.channels_last_columns(s, host))
     with monkeypatch.context() as patch:
         patch.setattr(cpu_backward, "columns_along_channels", lambda sch, lanes: False)
         old = schedules.apply_default("backward", definition.backward(shape), host)
