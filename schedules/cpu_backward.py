@@ -463,11 +463,8 @@ def _weight_sum_along_channels(
     block = sch.get_sblock("weight_sum")
     sch.transform_layout(columns, ("write", 0), lambda n, c, k, p: (n, p, k, c))
     sch.transform_layout(block, ("write", 0), lambda o, c, k: (o, k, c))
-    o, c, k, wn, wp = sch.get_loops(block)
-    taps = int(sch.get(k).extent)
-    wp_outer, wp_inner = sch.split(wp, [None, tile])
-    tiles = sch.fuse(wn, wp_outer)
-    partial = sch.rfactor(tiles, 0)
+    taps = int(sch.get(sch.get_loops(block)[2]).extent)
+    partial = _sums_per_tile(sch, block, tile)
     o, c, k, tiles, wp_inner = sch.get_loops(partial)
     c_outer, c_inner = sch.split(c, [None, lanes])
     o_outer, o_inner = sch.split(o, [None, outputs_per_block])
@@ -486,6 +483,21 @@ def _weight_sum_along_channels(
     sch.reorder(output, tap, channel)
     sch.vectorize(channel)
     sch.decompose_reduction(block, tiles)
+    _columns_per_tile(sch, columns, tiles)
+
+
+def _sums_per_tile(sch: s_tir.Schedule, block, tile: int):
+    """Split ``weight_sum``'s reduction over (image, pixel) into tiles of ``tile`` pixels and
+    return the ``rfactor`` block of each tile's sums (loops: its three axes, the tiles, the
+    tile's pixels); ``block`` then adds them over the tiles."""
+    *_, wn, wp = sch.get_loops(block)
+    wp_outer, _ = sch.split(wp, [None, tile])
+    return sch.rfactor(sch.fuse(wn, wp_outer), 0)
+
+
+def _columns_per_tile(sch: s_tir.Schedule, columns, tiles) -> None:
+    """Sample the (channels-last) columns of each tile under the loop ``tiles``: per pixel
+    and tap, one vector of channels."""
     sch.compute_at(columns, tiles, preserve_unit_loops=True)
     *_, channel, tap, pixel = sch.get_loops(columns)
     sch.reorder(pixel, tap, channel)
@@ -508,10 +520,7 @@ def _weight_sum_depthwise(sch: s_tir.Schedule, lanes: int, tile: int, columns) -
     _transpose_in_blocks(sch, copy)
     sch.transform_layout(columns, ("write", 0), lambda n, c, k, p: (n, p, k, c))
     sch.transform_layout(block, ("write", 0), lambda o, c, k: (c, k, o))
-    o, c, k, wn, wp = sch.get_loops(block)
-    wp_outer, wp_inner = sch.split(wp, [None, tile])
-    tiles = sch.fuse(wn, wp_outer)
-    partial = sch.rfactor(tiles, 0)
+    partial = _sums_per_tile(sch, block, tile)
     o, c, k, tiles, wp_inner = sch.get_loops(partial)
     o_outer, o_inner = sch.split(o, [None, lanes])
     sch.reorder(o_outer, tiles, c, wp_inner, k, o_inner)
@@ -524,10 +533,7 @@ def _weight_sum_depthwise(sch: s_tir.Schedule, lanes: int, tile: int, columns) -
     sch.reorder(channel, tap, output)
     sch.vectorize(output)
     sch.decompose_reduction(block, tiles)
-    sch.compute_at(columns, tiles, preserve_unit_loops=True)
-    *_, channel, tap, pixel = sch.get_loops(columns)
-    sch.reorder(pixel, tap, channel)
-    sch.vectorize(channel)
+    _columns_per_tile(sch, columns, tiles)
 
 
 def _transpose_in_blocks(sch: s_tir.Schedule, copy) -> None:

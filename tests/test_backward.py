@@ -14,7 +14,7 @@ from inputs import CONFIGS, DEPTHWISE_CONFIGS, WIDE_CONFIGS, make_inputs, shape_
 from tvm_deform import DeformConv2d, deform_conv2d, schedules
 from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape, Gradients
-from tvm_deform.runtime import calls, kernels, records, targets
+from tvm_deform.runtime import calls, dispatch, kernels, records, targets
 
 #: the whole module is slow (many kernels, whole models or subprocesses): `pytest -m "not slow"`
 #: leaves it out of the quick loop; CI runs it
@@ -443,8 +443,8 @@ def test_the_column_gradient_is_channels_last_where_vectors_divide_an_offset_gro
 
 def test_a_tuned_record_with_the_older_column_layout_gives_way_to_the_default(monkeypatch):
     """A backward record tuned before the column gradient went channels-last replays a
-    schedule whose workspace the caller would lay out wrongly: the default runs instead, with
-    a warning."""
+    schedule whose workspace the caller would lay out wrongly: the lookup passes it over, and
+    compiling it runs the default instead, with a warning."""
     from tvm.s_tir import meta_schedule as ms
     from tvm_deform.schedules import cpu_backward
 
@@ -460,6 +460,15 @@ def test_a_tuned_record_with_the_older_column_layout_gives_way_to_the_default(mo
     with pytest.warns(RuntimeWarning, match="older version"):
         module = kernels.compile_backward(shape, host, record)
     assert module["deform_conv2d_backward"] is not None
+    # The lookup passes it over before: this machine's own record, or another machine's.
+    monkeypatch.setattr(records, "own_records", lambda *args: [record])
+    monkeypatch.setattr(dispatch, "choose_own", lambda shape, op, own: own[0])
+    assert kernels.resolve(shape, host, tuned=True, op="backward") is None
+    assert kernels.candidates(shape, host, op="backward") == [None]
+    monkeypatch.setattr(records, "own_records", lambda *args: [])
+    monkeypatch.setattr(records, "foreign_records", lambda *args: [record])
+    monkeypatch.setenv("TVM_DEFORM_MEASURE", "1")
+    assert kernels.candidates(shape, host, op="backward") == [None]
 
 
 def test_cpu_workspaces_are_kept_for_the_next_call():

@@ -130,8 +130,10 @@ def resolve(
 
     own = records.own_records(shape, target, key, op)
     if own:
-        return dispatch.choose_own(shape, op, own)
+        chosen = dispatch.choose_own(shape, op, own)
+        return chosen if _replays_this_layout(shape, target, op, chosen) else None
     candidates = records.foreign_records(shape, target, key, op)
+    candidates = [r for r in candidates if _replays_this_layout(shape, target, op, r)]
     if not candidates or not env.measure_enabled():
         return None
     return dispatch.pick(shape, target, op, candidates)
@@ -150,10 +152,24 @@ def candidates(
 
     own = records.own_records(shape, target, key, op)
     if own:
-        return [dispatch.choose_own(shape, op, own)]
+        chosen = dispatch.choose_own(shape, op, own)
+        return [chosen if _replays_this_layout(shape, target, op, chosen) else None]
     if not env.measure_enabled():
         return [None]
-    return [None, *records.foreign_records(shape, target, key, op)]
+    found = records.foreign_records(shape, target, key, op)
+    return [None, *(r for r in found if _replays_this_layout(shape, target, op, r))]
+
+
+def _replays_this_layout(
+    shape: ConvShape, target: Target, op: str, record: records.TunedRecord | None
+) -> bool:
+    """Whether ``record`` (None: the default) may run ``shape``'s ``op`` on ``target``: a
+    backward record tuned before the CPU's column gradient went channels-last replays the
+    other layout (see :func:`compile_backward`), and is passed over."""
+    if record is None or op != "backward":
+        return True
+    sch = records.tuned_schedule(shape, record, "backward")
+    return _columns_channels_last(sch.mod["main"]) == schedules.channels_last_columns(shape, target)
 
 
 def compile_candidates(
