@@ -148,8 +148,8 @@ def grad_input_channel_block(shape: ConvShape, target: Target) -> int:
 
 def channels_last_columns(shape: ConvShape, target: Target) -> bool:
     """Whether the backward kernels of ``shape`` on ``target`` lay the column gradient out
-    channels-last, ``[n, p, k * channels + c]`` (on a CPU whose vectors divide the channels of
-    an offset group), which the input's scatter then reads so
+    channels-last, ``[n, p, k * channels + c]`` (on a CPU where two or more vectors fill the
+    channels of an offset group), which the input's scatter then reads so
     (``definition.grad_input(..., channels_last_columns=True)``); else ``[n, c, k, p]``."""
     if target.kind.name != "llvm":
         return False

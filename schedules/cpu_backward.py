@@ -9,9 +9,10 @@ Two rules (:class:`tvm_deform.schedules.rule.Rule`), one per backward PrimFunc o
   - the geometry and derivative coefficients: parallel over (n, group, tap), vectorised along the
     pixels;
   - ``grad_columns``, a GEMM like the forward's: parallel over (batch, pixel tile), a register
-    block of input channels x pixels. Where a vector divides an offset group's channels
-    (:func:`columns_fit_vectors`) it is written channels-last, ``[n, p, k * channels + c]``,
-    each register block transposed as it is stored; else ``[n, c, k, p]``;
+    block of input channels x pixels. Where two or more vectors fill an offset group's
+    channels (:func:`columns_fit_vectors`) it is written channels-last,
+    ``[n, p, k * channels + c]``, each register block transposed as it is stored; else
+    ``[n, c, k, p]``;
   - ``sampling_grad``: parallel over (batch, pixel tile), the three terms (mask, y, x) inside
     the loop over the channels, so that each channel's four corners are read once for the
     three. From channels-last columns, vectorised along the channels: the corners are vector
@@ -19,8 +20,9 @@ Two rules (:class:`tvm_deform.schedules.rule.Rule`), one per backward PrimFunc o
     at the end (:func:`_sampling_grad_along_channels`). Otherwise gathers, vectorised along
     the pixels, the channel reduction accumulated in a vector register per (group, tap, term);
   - ``weight_sum``, a GEMM that reduces over the pixels. Where a vector divides the input
-    channels (and the weight is not grouped), it is vectorised along the channels and its
-    columns are sampled channels-last, as the forward's (:func:`_weight_sum_along_channels`);
+    channels (and the weight is not grouped, or is depthwise), it is vectorised along the
+    channels and its columns are sampled channels-last, as the forward's
+    (:func:`_weight_sum_along_channels`, :func:`_weight_sum_depthwise`);
     otherwise ``rfactor`` keeps one partial sum per vector lane so that the long pixel
     reduction is vectorised, parallel over output channels, the partial sums added in a fixed
     order. Either way the result does not depend on the threads.
