@@ -630,13 +630,21 @@ def channels_last_input(sch: s_tir.Schedule, consumer, *others) -> None:
             sch.unroll(x_inner)
             sch.vectorize(c_inner)
     elif blocks:
-        # Square blocks, a row of the block read as one vector: LLVM otherwise picks gather or
-        # scatter instructions, which are slow (measured: about 13% of a depthwise layer).
-        c_outer, c_inner = sch.split(c, [None, TRANSPOSE_BLOCK])
-        x_outer, x_inner = sch.split(x, [None, TRANSPOSE_BLOCK])
-        sch.reorder(x_outer, c_outer, c_inner, x_inner)
-        sch.unroll(c_inner)
-        sch.vectorize(x_inner)
+        transpose_in_blocks(sch, c, x)
+
+
+def transpose_in_blocks(sch: s_tir.Schedule, channel, inner):
+    """Schedule a copy that moves ``channel`` innermost (an NCHW input to NHWC, say) in square
+    blocks of :data:`TRANSPOSE_BLOCK`, ``inner`` being the source's contiguous axis: each row
+    of a block is read as one vector and LLVM transposes the block in registers; otherwise it
+    picks gather or scatter instructions, which are slow (measured: about 13% of a depthwise
+    layer). Both extents must divide by the block; returns the outer loop of ``inner``."""
+    c_outer, c_inner = sch.split(channel, [None, TRANSPOSE_BLOCK])
+    x_outer, x_inner = sch.split(inner, [None, TRANSPOSE_BLOCK])
+    sch.reorder(x_outer, c_outer, c_inner, x_inner)
+    sch.unroll(c_inner)
+    sch.vectorize(x_inner)
+    return x_outer
 
 
 #: the side of the square blocks in which the input is copied to NHWC

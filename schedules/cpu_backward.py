@@ -44,7 +44,7 @@ from tvm import s_tir, sym, tirx
 from tvm.target import Target
 from tvm_deform.schedules.common import lanes as vector_lanes
 from tvm_deform.schedules.common import largest_divisor, parallel_tiles
-from tvm_deform.schedules.cpu import channels_last_input
+from tvm_deform.schedules.cpu import TRANSPOSE_BLOCK, channels_last_input, transpose_in_blocks
 from tvm_deform.schedules.rule import Choices, Rule
 
 from tvm_deform.ir.definition import ConvShape
@@ -519,7 +519,7 @@ def _weight_sum_depthwise(sch: s_tir.Schedule, lanes: int, tile: int, columns) -
     gradient = next(i for i, name in enumerate(reads) if name.startswith("grad_output"))
     copy = sch.cache_read(block, gradient, "global")
     sch.transform_layout(copy, ("write", 0), lambda n, o, p: (n, p, o))
-    _transpose_in_blocks(sch, copy)
+    _channels_last_copy(sch, copy)
     sch.transform_layout(columns, ("write", 0), lambda n, c, k, p: (n, p, k, c))
     sch.transform_layout(block, ("write", 0), lambda o, c, k: (c, k, o))
     partial = _sums_per_tile(sch, block, tile)
@@ -538,27 +538,26 @@ def _weight_sum_depthwise(sch: s_tir.Schedule, lanes: int, tile: int, columns) -
     _columns_per_tile(sch, columns, tiles)
 
 
-def _transpose_in_blocks(sch: s_tir.Schedule, copy) -> None:
+def _channels_last_copy(sch: s_tir.Schedule, copy) -> None:
     """Schedule the copy ``copy`` of an ``[n, channel, pixel]`` buffer into ``[n, pixel,
-    channel]``: parallel over the images and rows of 8x8 blocks, each block's rows read as
-    vectors (LLVM transposes them in registers; one element at a time is a gather). Where 8
-    does not divide both axes, the pixels are the inner loop, not vectorised."""
+    channel]``: in square blocks (:func:`tvm_deform.schedules.cpu.transpose_in_blocks`),
+    parallel over the images and rows of blocks. Where the block does not divide both axes
+    (a symbolic pixel count divides when its quantum does), the pixels are the inner loop,
+    not vectorised, parallel over the images."""
     n, channel, pixel = sch.get_loops(copy)
-    extents = [sch.get(loop).extent for loop in (channel, pixel)]
-    if all(isinstance(e, tirx.IntImm) and int(e) % 8 == 0 for e in extents) or (
-        int(extents[0]) % 8 == 0 and _divides_padded(sch, extents[1], 8)
+    channels, pixels = (sch.get(loop).extent for loop in (channel, pixel))
+    if int(channels) % TRANSPOSE_BLOCK or not (
+        int(pixels) % TRANSPOSE_BLOCK == 0
+        if isinstance(pixels, tirx.IntImm)
+        else _divides_padded(sch, pixels, TRANSPOSE_BLOCK)
     ):
-        c_outer, c_inner = sch.split(channel, [None, 8])
-        p_outer, p_inner = sch.split(pixel, [None, 8])
-        sch.reorder(p_outer, c_outer, c_inner, p_inner)
-        sch.unroll(c_inner)
-        sch.vectorize(p_inner)
-        if isinstance(sch.get(p_outer).extent, tirx.IntImm):
-            sch.parallel(sch.fuse(n, p_outer))
-        else:
-            sch.parallel(p_outer)
-    else:
         sch.parallel(n)
+        return
+    rows = transpose_in_blocks(sch, channel, pixel)
+    if isinstance(sch.get(rows).extent, tirx.IntImm):
+        sch.parallel(sch.fuse(n, rows))
+    else:
+        sch.parallel(rows)
 
 
 def grad_input_block(shape: ConvShape, target: Target) -> int:

@@ -266,7 +266,7 @@ def compile_backward(
     ``quantum``, the kernels for any size of ``shape``'s layer, their pixels padded to it."""
     sizes = "static" if quantum is None else "symbolic"
     quantum = quantum or definition.PIXEL_QUANTUM
-    channels_last = gradients.needs_grad_columns and schedules.channels_last_columns(shape, target)
+    channels_last = _channels_last_columns(shape, target, gradients)
     if record is not None:
         if gradients != definition.ALL_GRADIENTS or sizes != "static":
             raise ValueError("tuned records are of the static backward of every gradient")
@@ -573,10 +573,19 @@ def _backward_kernels(
     gradients: definition.Gradients,
 ) -> BackwardKernels:
     scatter = module["deform_conv2d_grad_input"] if gradients.input else None
-    channels_last = gradients.needs_grad_columns and schedules.channels_last_columns(shape, target)
+    channels_last = _channels_last_columns(shape, target, gradients)
     return BackwardKernels(
         module["deform_conv2d_backward"], scatter, channels_last_columns=channels_last
     )
+
+
+def _channels_last_columns(
+    shape: ConvShape, target: Target, gradients: definition.Gradients
+) -> bool:
+    """Whether the backward kernels of ``shape`` computing ``gradients`` take a channels-last
+    column gradient (see :func:`tvm_deform.schedules.channels_last_columns`); a backward
+    without a column gradient takes none."""
+    return gradients.needs_grad_columns and schedules.channels_last_columns(shape, target)
 
 
 def _record_name(record: records.TunedRecord | None) -> str:
