@@ -17,8 +17,9 @@ Two rules (:class:`tvm_deform.schedules.rule.Rule`), one per backward PrimFunc o
     the loop over the channels, so that each channel's four corners are read once for the
     three. From channels-last columns, vectorised along the channels: the corners are vector
     loads from an NHWC copy of the input, a vector of partial sums per term, its lanes added
-    in halves at the end (:func:`_sampling_grad_along_channels`). Otherwise gathers, vectorised along
-    the pixels, the channel reduction accumulated in a vector register per (group, tap, term);
+    in halves at the end (:func:`_sampling_grad_along_channels`). Otherwise gathers,
+    vectorised along the pixels, the channel reduction accumulated in a vector register per
+    (group, tap, term);
   - ``weight_sum``, a GEMM that reduces over the pixels. Where a vector divides the input
     channels (and the weight is not grouped, or is depthwise), it is vectorised along the
     channels and its columns are sampled channels-last, as the forward's
@@ -52,8 +53,8 @@ from tvm_deform.ir.definition import ConvShape
 
 def _pixel_tile(pixels, lanes: int, vectors: int = 2) -> int:
     """A tile of the pixel axis that divides it (the definition pads it to do so; a symbolic
-    axis to a multiple of its quantum, which the kernels for any size make a multiple of two
-    vectors)."""
+    axis to a multiple of its quantum, which the kernels for any size make a multiple of four
+    vectors: :func:`tvm_deform.schedules.backward_pixel_quantum`)."""
     if not isinstance(pixels, int):
         return lanes * vectors
     tile = min(lanes * vectors, pixels)
@@ -350,7 +351,8 @@ def _sum_lanes_in_halves(sch: s_tir.Schedule, block, lanes: int) -> list:
     halvings: ``rfactor`` splits off a stage that adds the upper half of the vector to the
     lower half (in ``lanes / 2`` lanes), then again on what is left, until one lane remains:
     log2(lanes) vector adds in place of a chain of ``lanes`` scalar adds, each extracting a
-    lane (the offset and mask gradients of a 64-channel layer took 0.84x as long so, Zen 4).
+    lane (the offset's and mask's gradients of the 64-channel layers took 0.94-0.97x their
+    time so, Zen 4).
     Returns the halving stages, first to last, not yet placed."""
     halves = []
     width = lanes
@@ -443,15 +445,24 @@ def _weight_tile_depthwise(sch: s_tir.Schedule, lanes: int) -> int | None:
 
 
 def _pixel_tile_of_weight_sum(sch: s_tir.Schedule, wp, channels: int, lanes: int) -> int | None:
-    """The tile of the pixel loop ``wp`` of ``weight_sum`` along ``channels`` channels: None
-    where no vector divides them or a symbolic pixel count is not known to divide into
-    tiles."""
+    """The tile of the pixel loop ``wp`` of ``weight_sum`` along ``channels`` channels, up to
+    four vectors of pixels: None where no vector divides the channels or a symbolic pixel
+    count is not known to divide into tiles of two vectors or more."""
     if channels % lanes:
         return None
     pixels = sch.get(wp).extent
     if isinstance(pixels, tirx.IntImm):
         return largest_divisor(int(pixels), 4 * lanes)
-    return 2 * lanes if _divides_padded(sch, pixels, 2 * lanes) else None
+    return next((t for t in (4 * lanes, 2 * lanes) if _divides_padded(sch, pixels, t)), None)
+
+
+def weight_sums_along_channels(shape: ConvShape, lanes: int) -> bool:
+    """Whether the default schedule sums the weight gradient of ``shape``'s layer along its
+    input channels, in tiles of pixels (:func:`_weight_sum_along_channels`,
+    :func:`_weight_sum_depthwise`): where vectors of ``lanes`` divide the channels and the
+    weight is dense or depthwise."""
+    depthwise = shape.weight_groups == shape.in_channels == shape.out_channels
+    return shape.in_channels % lanes == 0 and (shape.weight_groups == 1 or depthwise)
 
 
 def _weight_tile_along_channels(sch: s_tir.Schedule, lanes: int) -> int | None:
