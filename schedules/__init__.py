@@ -26,8 +26,8 @@ from tvm_deform.schedules.cpu_backward import (
     BackwardCPU,
     GradInputCPU,
     columns_fit_vectors,
+    dense_weight_along_channels,
     grad_input_block,
-    weight_sums_along_channels,
 )
 from tvm_deform.schedules.cuda import OnePassCUDA, SampleOnceCUDA, SplitReductionCUDA
 from tvm_deform.schedules.cuda_backward import BackwardCUDA, GradInputCUDA
@@ -130,16 +130,17 @@ def _any_size_definition(
 
 def backward_pixel_quantum(shape: ConvShape, target: Target) -> int:
     """The multiple the backward kernels for any size of ``shape``'s layer pad the pixels to.
-    On a CPU, four vectors of the accumulator where the weight gradient is summed along the
-    channels in tiles of pixels (:func:`weight_sums_along_channels`), which then take four
-    vectors of pixels (a training step of such a layer took 0.91-0.99x its time with tiles of
-    two, on a Zen 4), else two vectors, the widest tile of the other stages. On a GPU the
-    column gradient's pixel tile."""
+    On a CPU, four vectors of the accumulator where the gradient of a dense weight is summed
+    along the channels in tiles of pixels (:func:`dense_weight_along_channels`), which then
+    take four vectors of pixels (a training step of the R50 layers took 0.89-0.93x its time
+    with tiles of two, on a Zen 4; the depthwise weight gradient's tiles gained nothing), else
+    two vectors, the widest tile of the other stages. On a GPU the column gradient's pixel
+    tile."""
     if target.kind.name == "cuda":
         threads, registers = BackwardCUDA.column_tiles[0]
         return threads * registers
     vector = lanes(target, shape.accumulator_dtype)
-    return (4 if weight_sums_along_channels(shape, vector) else 2) * vector
+    return (4 if dense_weight_along_channels(shape, vector) else 2) * vector
 
 
 def grad_input_channel_block(shape: ConvShape, target: Target) -> int:

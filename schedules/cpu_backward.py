@@ -456,13 +456,11 @@ def _pixel_tile_of_weight_sum(sch: s_tir.Schedule, wp, channels: int, lanes: int
     return next((t for t in (4 * lanes, 2 * lanes) if _divides_padded(sch, pixels, t)), None)
 
 
-def weight_sums_along_channels(shape: ConvShape, lanes: int) -> bool:
-    """Whether the default schedule sums the weight gradient of ``shape``'s layer along its
-    input channels, in tiles of pixels (:func:`_weight_sum_along_channels`,
-    :func:`_weight_sum_depthwise`): where vectors of ``lanes`` divide the channels and the
-    weight is dense or depthwise."""
-    depthwise = shape.weight_groups == shape.in_channels == shape.out_channels
-    return shape.in_channels % lanes == 0 and (shape.weight_groups == 1 or depthwise)
+def dense_weight_along_channels(shape: ConvShape, lanes: int) -> bool:
+    """Whether the default schedule sums the gradient of ``shape``'s weight along its input
+    channels as a GEMM in tiles of pixels (:func:`_weight_sum_along_channels`): where the
+    weight is not grouped and vectors of ``lanes`` divide the channels."""
+    return shape.weight_groups == 1 and shape.in_channels % lanes == 0
 
 
 def _weight_tile_along_channels(sch: s_tir.Schedule, lanes: int) -> int | None:
