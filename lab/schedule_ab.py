@@ -8,6 +8,10 @@ the ratios is the result: the speed of a shared machine drifts by 10-30% within 
 which hides a change of a few percent in one stage of a kernel between whole runs, and even
 between rounds that alternate (``lab/training_ab.py``).
 
+A function is named as in its module, or ``Class.method``; the commit's runs with the commit's
+module around it (the helpers it calls are the commit's), so ``BackwardCPU.apply`` compares
+the whole default backward schedule of the two.
+
     .venv/bin/python lab/schedule_ab.py --commit 6ab536e \
         --function _sampling_grad_along_channels --gradients sampling \
         --layers demo_64x56x56,dla34_64x128x128 --pairs 200
@@ -66,11 +70,11 @@ class Sides:
     def __init__(self, module: types.ModuleType, old: types.ModuleType, names: list[str]):
         self.module = module
         self.functions = {
-            "tree": {name: getattr(module, name) for name in names},
-            "commit": {name: getattr(old, name) for name in names},
+            "tree": {name: _lookup(module, name) for name in names},
+            "commit": {name: _lookup(old, name) for name in names},
         }
         self.reexported = [
-            name for name in names if getattr(schedule_package, name, None) is getattr(module, name)
+            name for name in names if getattr(schedule_package, name, None) is _lookup(module, name)
         ]
         self.side = "tree"
         self.built: dict[tuple, object] = {}
@@ -93,10 +97,18 @@ class Sides:
 
     def _put_in_place(self, side: str) -> None:
         for name, function in self.functions[side].items():
-            setattr(self.module, name, function)
+            owner, _, attribute = name.rpartition(".")
+            setattr(_lookup(self.module, owner) if owner else self.module, attribute, function)
             if name in self.reexported:
                 setattr(schedule_package, name, function)
         kernels.clear_memory_cache()
+
+
+def _lookup(namespace, name: str):
+    """``name`` in ``namespace``, dotted names (a class's method) followed."""
+    for part in name.split("."):
+        namespace = getattr(namespace, part)
+    return namespace
 
 
 def layer_call(name: str, gradients: str):
@@ -134,7 +146,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--commit", required=True)
     parser.add_argument("--module", default="schedules/cpu_backward.py")
-    parser.add_argument("--function", action="append", required=True, help="repeatable")
+    parser.add_argument(
+        "--function", action="append", required=True, help="a name, or Class.method; repeatable"
+    )
     parser.add_argument("--gradients", choices=[*ASKED, "forward"], default="all")
     parser.add_argument("--layers", required=True, help="suite layer names, comma-separated")
     parser.add_argument("--pairs", type=int, default=200, help="pairs of calls per layer")
