@@ -1,10 +1,12 @@
-"""The lab's GPU-run scripts (``lab/``, not installed), rehearsed on the CPU: the session's
-checking, timing and tuning steps, and the check that what a device call carries fits."""
+"""The lab's scripts (``lab/``, not installed): the GPU run's, rehearsed on the CPU (the
+session's checking, timing and tuning steps, and the check that what a device call carries
+fits), and the schedule A/B's."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import gpu_session
@@ -244,3 +246,19 @@ def test_every_device_call_fits(tmp_path):
         file.truncate(57 * 1024 * 1024)
     result = subprocess.run([*script, str(part)], capture_output=True, text=True, cwd=root)
     assert result.returncode == 1 and "at most 56 MiB" in result.stdout
+
+
+def test_schedule_ab_compares_a_commits_functions_call_by_call():
+    """``lab/schedule_ab.py`` builds both sides' kernels and times them alternately: the
+    committed backward schedule against the tree's (the same code in a clean checkout) gives
+    one row per layer, and the same bits."""
+    root = Path(__file__).resolve().parents[1]
+    command = [
+        *(sys.executable, "lab/schedule_ab.py", "--commit", "HEAD", "--gradients", "all"),
+        *("--function", "BackwardCPU.apply", "--layers", "seed,demo_64x56x56", "--pairs", "2"),
+    ]
+    run = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    rows = [line for line in run.stdout.splitlines() if line.startswith(("| seed", "| demo"))]
+    assert len(rows) == 2
+    assert all(row.split("|")[-2].strip() == "0.0e+00" for row in rows), rows
