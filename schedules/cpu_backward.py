@@ -366,8 +366,7 @@ def _sum_lanes_in_halves(sch: s_tir.Schedule, block, lanes: int) -> list:
     lower half (in ``lanes / 2`` lanes), then again on what is left, until one lane remains:
     log2(lanes) vector adds in place of a chain of ``lanes`` scalar adds, each extracting a
     lane (the offset's and mask's gradients of the 64-channel layers took 0.94-0.97x their
-    time so, Zen 4).
-    Returns the halving stages, first to last, not yet placed."""
+    time so, Zen 4). Returns the halving stages, first to last, not yet placed."""
     halves = []
     width = lanes
     while width > 1:
@@ -516,8 +515,8 @@ def _weight_sum_along_channels(
     channels-last in tiles of ``tile`` pixels, as the forward samples them:
 
     - the input is copied to NHWC once; the columns of a tile of pixels are laid out
-      ``[pixel, tap, channel]`` and sampled one vector of channels per (pixel, tap), the
-      geometry a broadcast;
+      ``[pixel, tap, channel]`` and sampled ``vectors`` vectors of channels per (pixel, tap),
+      the geometry a broadcast;
     - parallel over groups of ``vectors`` vectors of input channels; under it, per image and
       tile of pixels, the tile's columns of the group, then a register block of
       (``outputs_per_block`` output channels) x (a few taps) x (``vectors`` vectors of

@@ -10,6 +10,8 @@ import torch
 import torchvision.ops
 from conftest import assert_close
 from inputs import CONFIGS, DEPTHWISE_CONFIGS, WIDE_CONFIGS, make_inputs, shape_of
+from tvm_deform.schedules import cpu_backward
+from tvm_deform.schedules.common import lanes as vector_lanes
 
 from tvm_deform import DeformConv2d, deform_conv2d, schedules
 from tvm_deform.ir import definition
@@ -366,6 +368,40 @@ def test_wide_layers_gradients_match_torchvision(cfg, dtype):
         assert_close(ours[name], exact[name], 5e-6 if dtype == torch.float32 else 1e-12, name)
 
 
+def _two_vector_layers() -> list[dict]:
+    """Dense layers whose weight gradient takes two vectors of channels a task on this CPU
+    (``cpu_backward._weight_vectors``): offset groups of two vectors of channels per core, in
+    one offset group and in two."""
+    target = targets.host_target()
+    per_group = 2 * vector_lanes(target, "float32") * int(target.attrs["num-cores"])
+    return [
+        WIDE_CONFIGS[1] | dict(c=per_group, offset_groups=1),
+        WIDE_CONFIGS[5] | dict(c=2 * per_group, offset_groups=2),
+    ]
+
+
+def test_weight_gradient_tasks_take_two_vectors_of_one_offset_group_where_cores_allow():
+    assert cpu_backward._weight_vectors(64, 16, 2) == 2
+    assert cpu_backward._weight_vectors(128, 16, 2) == 2
+    assert cpu_backward._weight_vectors(64, 16, 4) == 1  # two tasks for four cores
+    assert cpu_backward._weight_vectors(16, 16, 2) == 1  # one vector an offset group
+    assert cpu_backward._weight_vectors(48, 16, 1) == 1  # three vectors
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("cfg", _two_vector_layers(), ids=["one_group", "two_groups"])
+def test_weight_gradient_two_vectors_a_task_matches_torchvision(cfg, dtype):
+    shape = shape_of(cfg, dtype)
+    target = targets.host_target()
+    per_group = shape.in_channels // shape.offset_groups
+    lanes = vector_lanes(target, shape.accumulator_dtype)
+    assert cpu_backward._weight_vectors(per_group, lanes, int(target.attrs["num-cores"])) == 2
+    _, ours = gradients(deform_conv2d, make_inputs(cfg, dtype))
+    _, exact = gradients(torchvision.ops.deform_conv2d, make_inputs(cfg, torch.float64))
+    for name in ours:
+        assert_close(ours[name], exact[name], 5e-6 if dtype == torch.float32 else 1e-12, name)
+
+
 #: depthwise layers: random ones, and two whose channels fill vectors (the weight's gradient
 #: vectorised along the channels; the first with channels-last column gradients too)
 DEPTHWISE_BACKWARD = DEPTHWISE_CONFIGS[:4] + [
@@ -446,7 +482,6 @@ def test_a_tuned_record_with_the_older_column_layout_gives_way_to_the_default(mo
     schedule whose workspace the caller would lay out wrongly: the lookup passes it over, and
     compiling it runs the default instead, with a warning."""
     from tvm.s_tir import meta_schedule as ms
-    from tvm_deform.schedules import cpu_backward
 
     host = targets.host_target()
     wide = (shape_of(cfg, torch.float32) for cfg in WIDE_CONFIGS)
