@@ -53,8 +53,8 @@ from tvm_deform.ir.definition import ConvShape
 
 def _pixel_tile(pixels, lanes: int, vectors: int = 2) -> int:
     """A tile of the pixel axis that divides it (the definition pads it to do so; a symbolic
-    axis to a multiple of its quantum, which the kernels for any size make a multiple of four
-    vectors: :func:`tvm_deform.schedules.backward_pixel_quantum`)."""
+    axis to a multiple of its quantum, which the kernels for any size make a multiple of two or
+    four vectors: :func:`tvm_deform.schedules.backward_pixel_quantum`)."""
     if not isinstance(pixels, int):
         return lanes * vectors
     tile = min(lanes * vectors, pixels)
@@ -569,7 +569,7 @@ def _sums_per_tile(sch: s_tir.Schedule, block, tile: int):
 
 def _columns_per_tile(sch: s_tir.Schedule, columns, tiles) -> None:
     """Sample the (channels-last) columns of each tile under the loop ``tiles``: per pixel
-    and tap, one vector of channels."""
+    and tap, the channels of the enclosing task, vectorised."""
     sch.compute_at(columns, tiles, preserve_unit_loops=True)
     *_, channel, tap, pixel = sch.get_loops(columns)
     sch.reorder(pixel, tap, channel)
