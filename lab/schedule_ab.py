@@ -22,9 +22,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import pathlib
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import types
 
@@ -58,7 +60,14 @@ def module_at(commit: str, path: str) -> types.ModuleType:
     name = f"_schedule_ab_{commit}"
     module = types.ModuleType(name)
     sys.modules[name] = module  # dataclasses look their module up
-    exec(compile(source, f"{commit}:{path}", "exec"), module.__dict__)
+    # in a file: TVMScript parses a function from its source, which it reads back from there
+    copy = (
+        pathlib.Path(tempfile.mkdtemp(prefix="schedule_ab_"))
+        / f"{commit}_{pathlib.Path(path).name}"
+    )
+    copy.write_text(source)
+    module.__file__ = str(copy)
+    exec(compile(source, str(copy), "exec"), module.__dict__)
     return module
 
 
@@ -155,7 +164,9 @@ def main() -> None:
     options = parser.parse_args()
 
     dotted = options.module.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
-    module = importlib.import_module(f"tvm_deform.{dotted}")
+    # schedules/ is the package tvm_deform.schedules; tvm_deform/ir/... is itself
+    package = dotted if dotted.startswith("tvm_deform.") else f"tvm_deform.{dotted}"
+    module = importlib.import_module(package)
     sides = Sides(module, module_at(options.commit, options.module), options.function)
     print(
         f"CPU {targets.host_cpu()}, {torch.get_num_threads()} threads; {options.gradients}; "

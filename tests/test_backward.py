@@ -419,6 +419,52 @@ def test_depthwise_layers_gradients_match_torchvision(cfg, dtype):
         assert_close(ours[name], exact[name], 5e-6 if dtype == torch.float32 else 1e-12, name)
 
 
+def test_depthwise_weight_gradient_tasks_take_up_to_four_vectors_where_cores_allow():
+    rule = cpu_backward._depthwise_weight_vectors
+    assert rule(128, 128, 16, 2) == 4
+    assert rule(512, 512, 16, 2) == 4
+    assert rule(64, 64, 16, 2) == 2  # four vectors would leave a core idle
+    assert rule(128, 32, 16, 2) == 2  # two vectors an offset group
+    assert rule(64, 16, 16, 2) == 1  # one vector an offset group
+    assert rule(128, 128, 16, 16) == 1  # eight tasks of one vector for sixteen cores
+    assert rule(48, 48, 16, 1) == 1  # three vectors
+
+
+def _depthwise_vector_layers() -> list[dict]:
+    """Depthwise layers whose weight gradient takes four, and two, vectors of channels a task
+    on this CPU in float32 (``cpu_backward._depthwise_weight_vectors``), a 3x3 and a 5x5
+    kernel, with a mask and without."""
+    target = targets.host_target()
+    per_core = vector_lanes(target, "float32") * int(target.attrs["num-cores"])
+    base = dict(n=2, h=9, w=11, stride=(1, 1), dilation=(1, 1), use_bias=True)
+    four, two = 4 * per_core, 2 * per_core
+    return [
+        base
+        | dict(c=four, o=four, groups=four, offset_groups=1, use_mask=True)
+        | dict(kh=3, kw=3, padding=(1, 1)),
+        base
+        | dict(c=two, o=two, groups=two, offset_groups=1, use_mask=False)
+        | dict(kh=5, kw=5, padding=(2, 2)),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("cfg", _depthwise_vector_layers(), ids=["four", "two"])
+def test_depthwise_weight_gradient_in_vectors_a_task_matches_torchvision(cfg, dtype):
+    shape = shape_of(cfg, dtype)
+    target = targets.host_target()
+    lanes = vector_lanes(target, shape.accumulator_dtype)
+    cores = int(target.attrs["num-cores"])
+    if dtype == torch.float32:
+        expected = 4 if cfg["kh"] == 3 else 2
+        rule = cpu_backward._depthwise_weight_vectors
+        assert rule(shape.in_channels, shape.in_channels, lanes, cores) == expected
+    _, ours = gradients(deform_conv2d, make_inputs(cfg, dtype))
+    _, exact = gradients(torchvision.ops.deform_conv2d, make_inputs(cfg, torch.float64))
+    for name in ours:
+        assert_close(ours[name], exact[name], 5e-6 if dtype == torch.float32 else 1e-12, name)
+
+
 @pytest.mark.parametrize("block", [4, 8, 16])
 def test_the_input_scatter_in_blocks_of_channels_gives_the_same_bits(block):
     """Blocks of channels add every sample into the input's gradient in the same order as a
