@@ -120,10 +120,11 @@ def _lookup(namespace, name: str):
     return namespace
 
 
-def layer_call(name: str, gradients: str):
-    """A function that runs the layer's forward (and backward) once, returning the seconds
-    of the part timed and what it computed."""
-    shape = load_suite()[name]
+def layer_call(name: str, gradients: str, suite: str | None = None):
+    """A function that runs the layer ``name`` of the suite (the shipped one, or the JSON file
+    ``suite``) forward (and backward) once, returning the seconds of the part timed and what
+    it computed."""
+    shape = load_suite(suite)[name]
     args = random_inputs(shape)
     kwargs = conv_kwargs(shape)
     asked = ASKED.get(gradients, set())
@@ -160,6 +161,7 @@ def main() -> None:
     )
     parser.add_argument("--gradients", choices=[*ASKED, "forward"], default="all")
     parser.add_argument("--layers", required=True, help="suite layer names, comma-separated")
+    parser.add_argument("--suite", help="a JSON file of layers in the suite's format")
     parser.add_argument("--pairs", type=int, default=200, help="pairs of calls per layer")
     options = parser.parse_args()
 
@@ -179,7 +181,7 @@ def main() -> None:
     )
     print("|---|---:|---:|---:|---:|---:|")
     for name in options.layers.split(","):
-        call = layer_call(name, options.gradients)
+        call = layer_call(name, options.gradients, options.suite)
         computed = {}
         for side in SIDES:  # built, and warm
             sides.use(side)
