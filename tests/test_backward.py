@@ -432,8 +432,9 @@ def test_depthwise_weight_gradient_tasks_take_up_to_four_vectors_where_cores_all
 
 def _depthwise_vector_layers() -> list[dict]:
     """Depthwise layers whose weight gradient takes four, and two, vectors of channels a task
-    on this CPU in float32 (``cpu_backward._depthwise_weight_vectors``), a 3x3 and a 5x5
-    kernel, with a mask and without."""
+    on this CPU in float32 (``cpu_backward._depthwise_weight_vectors``), the first with
+    blocks of four vectors in the input's scatter too (``cpu_backward.grad_input_block``); a
+    3x3 and a 5x5 kernel, with a mask and without."""
     target = targets.host_target()
     per_core = vector_lanes(target, "float32") * int(target.attrs["num-cores"])
     base = dict(n=2, h=9, w=11, stride=(1, 1), dilation=(1, 1), use_bias=True)
@@ -459,6 +460,9 @@ def test_depthwise_weight_gradient_in_vectors_a_task_matches_torchvision(cfg, dt
         expected = 4 if cfg["kh"] == 3 else 2
         rule = cpu_backward._depthwise_weight_vectors
         assert rule(shape.in_channels, shape.in_channels, lanes, cores) == expected
+        # the input's scatter fills four vectors of channels a block where each core gets one
+        block = cpu_backward.grad_input_block(shape, target)
+        assert block == (4 * lanes if expected == 4 else lanes)
     _, ours = gradients(deform_conv2d, make_inputs(cfg, dtype))
     _, exact = gradients(torchvision.ops.deform_conv2d, make_inputs(cfg, torch.float64))
     for name in ours:
