@@ -262,3 +262,23 @@ def test_schedule_ab_compares_a_commits_functions_call_by_call():
     rows = [line for line in run.stdout.splitlines() if line.startswith(("| seed", "| demo"))]
     assert len(rows) == 2
     assert all(row.split("|")[-2].strip() == "0.0e+00" for row in rows), rows
+
+
+def test_schedule_ab_compares_a_commits_definition_on_a_suite_file(tmp_path):
+    """A definition module's TVMScript function (which its parser reads back from a source
+    file) of the committed tree against the working tree's, on a layer of a suite file."""
+    root = Path(__file__).resolve().parents[1]
+    suite = tmp_path / "layers.json"
+    layer = dict(batch=1, in_channels=32, height=8, width=9, out_channels=32, kernel_h=3)
+    layer |= dict(kernel_w=3, pad_h=1, pad_w=1, weight_groups=32)
+    suite.write_text(json.dumps({"small_depthwise": layer}))
+    command = [
+        *(sys.executable, "lab/schedule_ab.py", "--commit", "HEAD", "--gradients", "input"),
+        *("--module", "tvm_deform/ir/definition.py", "--function", "_grad_input_blocks"),
+        *("--suite", str(suite), "--layers", "small_depthwise", "--pairs", "2"),
+    ]
+    run = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| small_depthwise")]
+    assert len(rows) == 1
+    assert rows[0].split("|")[-2].strip() == "0.0e+00", rows
