@@ -251,22 +251,24 @@ def apply_backward_structure(sch: s_tir.Schedule, lanes: int, choices: BackwardC
     if readers:
         channels_last_input(sch, *readers)
     # A depthwise layer's stages that read the output's gradient along the channels share one
-    # channels-last copy of it.
+    # channels-last copy of it (the blocks passed on, as above).
     depthwise_columns = _block(sch, "grad_columns") is not None and along_channels
     depthwise_columns = depthwise_columns and _depthwise_columns(sch)
-    gradient_readers = [
-        sch.get_sblock(name)
+    gradient_readers = {
+        name: sch.get_sblock(name)
         for name, reads in (
             ("grad_columns", depthwise_columns),
             ("weight_sum", _weight_tile_depthwise(sch, lanes) is not None),
         )
         if reads
-    ]
+    }
     if gradient_readers:
-        _channels_last_gradient(sch, *gradient_readers)
+        _channels_last_gradient(sch, *gradient_readers.values())
     if _block(sch, "grad_columns") is not None:
         if depthwise_columns:
-            _grad_columns_depthwise(sch, lanes, choices.columns_tile)
+            _grad_columns_depthwise(
+                sch, gradient_readers["grad_columns"], lanes, choices.columns_tile
+            )
         else:
             _grad_columns(sch, choices.channel_block, choices.columns_tile, along_channels)
     if sampling is not None:
@@ -276,7 +278,7 @@ def apply_backward_structure(sch: s_tir.Schedule, lanes: int, choices: BackwardC
             _sampling_grad(sch, choices.sampling_tile)
     scheduled = set()
     if _block(sch, "weight_sum") is not None:
-        scheduled |= _weight_sum(sch, lanes, choices, columns)
+        scheduled |= _weight_sum(sch, lanes, choices, columns, gradient_readers.get("weight_sum"))
     stages = ("offset_pixels", "mask_pixels", "grad_output_pixels")  # a symbolic PrimFunc's
     for name in (*stages, "sample_rows", "sample_cols", "sample_coef", "grad_coef", "columns"):
         block = _block(sch, name) if name not in scheduled else None
@@ -331,16 +333,16 @@ def _depthwise_columns(sch: s_tir.Schedule) -> bool:
     return int(sch.get(ro).extent) == 1 and int(weight.shape[1]) == 1
 
 
-def _grad_columns_depthwise(sch: s_tir.Schedule, lanes: int, tile) -> None:
+def _grad_columns_depthwise(sch: s_tir.Schedule, block, lanes: int, tile) -> None:
     """A depthwise layer's ``grad_columns`` channels-last, ``[image, pixel, tap x channel]``:
     each a product of the weight (copied ``[tap, channel]``) and the output gradient (the
     channels-last copy the weight's gradient shares, :func:`_channels_last_gradient`),
     vectorised along the channels, parallel over (image, tile of pixels): a stream of vector
-    stores. As a GEMM of one output channel, transposing its register blocks as it stored
-    them, it took about a fifth of the depthwise backward's time; streamed, the input's
-    gradient of depthwise layers took 0.78-0.81x its time (2-core Zen 4). The sum over its
-    one output channel starts from zero, so the bits are the GEMM's."""
-    block = sch.get_sblock("grad_columns")
+    stores (``block``: the ``grad_columns`` block). As a GEMM of one output channel,
+    transposing its register blocks as it stored them, it took about a fifth of the depthwise
+    backward's time; streamed, the input's gradient of depthwise layers took 0.78-0.81x its
+    time (2-core Zen 4). The sum over its one output channel starts from zero, so the bits
+    are the GEMM's."""
     n, c, k, p, ro = sch.get_loops(block)
     channels = int(sch.get(c).extent)
     reads = [str(region.source.name) for region in sch.get(block).reads]
@@ -449,9 +451,13 @@ def _sampling_grad(sch: s_tir.Schedule, tile) -> None:
     sch.decompose_reduction(block, rc)
 
 
-def _weight_sum(sch: s_tir.Schedule, lanes: int, choices: BackwardChoices, columns) -> set[str]:
+def _weight_sum(
+    sch: s_tir.Schedule, lanes: int, choices: BackwardChoices, columns, depthwise_block=None
+) -> set[str]:
     """Schedule ``weight_sum`` (and with it, along the channels, the block ``columns``, None
-    otherwise); return the names of the other stages it scheduled."""
+    otherwise; ``depthwise_block``: the ``weight_sum`` block of a depthwise layer, which reads
+    the output's gradient channels-last); return the names of the other stages it
+    scheduled."""
     tile = _weight_tile_along_channels(sch, lanes)
     if tile is not None:
         _weight_sum_along_channels(
@@ -460,7 +466,7 @@ def _weight_sum(sch: s_tir.Schedule, lanes: int, choices: BackwardChoices, colum
         return {"columns"}
     tile = _weight_tile_depthwise(sch, lanes)
     if tile is not None:
-        _weight_sum_depthwise(sch, lanes, tile, choices.weight_vectors, columns)
+        _weight_sum_depthwise(sch, depthwise_block, lanes, tile, choices.weight_vectors, columns)
         return {"columns"}
     block = sch.get_sblock("weight_sum")
     o, c, k, wn, wp = sch.get_loops(block)
@@ -647,17 +653,17 @@ def _depthwise_weight_vectors(channels: int, per_group: int, lanes: int, cores: 
 
 
 def _weight_sum_depthwise(
-    sch: s_tir.Schedule, lanes: int, tile: int, vectors: int, columns
+    sch: s_tir.Schedule, block, lanes: int, tile: int, vectors: int, columns
 ) -> None:
     """A depthwise ``weight_sum`` (one input and one output channel per group: each weight
     element a dot product of one channel's output gradient with its columns) vectorised along
     the channels, as :func:`_weight_sum_along_channels` is: the columns of a tile of pixels
     sampled channels-last from the NHWC copy of the input, ``vectors`` vectors of channels
-    per (pixel, tap), the output gradient copied channels-last once (8x8 blocks transposed in
-    registers); parallel over groups of ``vectors`` vectors of channels, a register block of
-    every tap x ``vectors`` vectors per tile, its sums added into the whole sums (kept ``[tap,
-    channel]``) after the tile, in a fixed order."""
-    block = sch.get_sblock("weight_sum")
+    per (pixel, tap); the output gradient read from its channels-last copy
+    (:func:`_channels_last_gradient`, for ``block``, the ``weight_sum`` block); parallel over
+    groups of ``vectors`` vectors of channels, a register block of every tap x ``vectors``
+    vectors per tile, its sums added into the whole sums (kept ``[tap, channel]``) after the
+    tile, in a fixed order."""
     sch.transform_layout(columns, ("write", 0), lambda n, c, k, p: (n, p, k, c))
     sch.transform_layout(block, ("write", 0), lambda o, c, k: (c, k, o))
     partial = _sums_per_tile(sch, block, tile)

@@ -301,3 +301,36 @@ def test_frames_of_pseudo_files_keep_their_answer_from_inspect():
         assert inspect.getmodule(function, "<ast>") is expected[1] is sys.modules[__name__]
         assert inspect.getmodule(test_the_space_is_wider_than_the_default) is sys.modules[__name__]
     assert inspect.getmodule is getmodule
+
+
+#: backward layers of every CPU structure: depthwise with channels-last columns (its column
+#: gradient streamed), depthwise with one vector of channels, dense with channels-last
+#: columns, four offset groups of one vector each (the pixel layout), a channel multiplier
+BACKWARD_SPACE_LAYERS = [
+    ConvShape(1, 128, 12, 12, 128, 3, 3, pad_h=1, pad_w=1, weight_groups=128),
+    ConvShape(2, 16, 9, 7, 16, 3, 3, pad_h=1, pad_w=1, weight_groups=16),
+    ConvShape(1, 64, 10, 10, 32, 3, 3, pad_h=1, pad_w=1),
+    ConvShape(1, 64, 10, 10, 64, 3, 3, pad_h=1, pad_w=1, offset_groups=4),
+    ConvShape(1, 32, 8, 8, 64, 3, 3, pad_h=1, pad_w=1, weight_groups=32),
+]
+
+
+@pytest.mark.parametrize("shape", BACKWARD_SPACE_LAYERS, ids=lambda s: None)
+@pytest.mark.parametrize("asked", ["all", "input", "weight"])
+def test_cpu_backward_spaces_replay_from_their_simplified_traces(shape, asked):
+    """MetaSchedule keeps a candidate as its simplified trace and replays it on the PrimFunc:
+    a block that an instruction names but no kept instruction defines cannot be replayed."""
+    gradients = {
+        "all": definition.ALL_GRADIENTS,
+        "input": definition.Gradients(input=True, sampling=False, weight=False),
+        "weight": definition.Gradients(input=False, sampling=False, weight=True),
+    }[asked]
+    target = targets.host_target()
+    func = definition.backward(shape, gradients)
+    rule = next(r for r in schedules.rules_for("backward", target) if r.default)
+    spaces = rule.apply(func, target, tunable=True)
+    for space in spaces if isinstance(spaces, list) else [spaces]:
+        replayed = s_tir.Schedule(func)
+        trace = space.trace.simplified(remove_postproc=True)
+        trace.apply_to_schedule(replayed, remove_postproc=False)
+        tvm.ir.assert_structural_equal(replayed.mod, space.mod)
