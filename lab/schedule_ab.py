@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 from tvm_deform import deform_conv2d  # noqa: E402
 from tvm_deform import schedules as schedule_package  # noqa: E402
-from tvm_deform.runtime import kernels, targets  # noqa: E402
+from tvm_deform.runtime import hardware, kernels, targets  # noqa: E402
 from tvm_deform.runtime.inputs import conv_kwargs, random_inputs  # noqa: E402
 from tvm_deform.tools.suite import load_suite  # noqa: E402
 
@@ -162,16 +162,28 @@ def main() -> None:
     parser.add_argument("--gradients", choices=[*ASKED, "forward"], default="all")
     parser.add_argument("--layers", required=True, help="suite layer names, comma-separated")
     parser.add_argument("--suite", help="a JSON file of layers in the suite's format")
+    parser.add_argument(
+        "--avx2",
+        action="store_true",
+        help="compile both sides for AVX2 (x86-64-v3): that code path's speed on this CPU",
+    )
     parser.add_argument("--pairs", type=int, default=200, help="pairs of calls per layer")
     options = parser.parse_args()
+    if options.avx2:
+        host = hardware.detect()
+        flags = frozenset({"avx", "avx2", "fma"})
+        avx2 = targets.cpu_target(hardware.CPU("x86_64", "avx2", flags, host.cores, host.caches))
+        targets.host_target = lambda: avx2  # every kernel the op builds, both sides
 
     dotted = options.module.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
     # schedules/ is the package tvm_deform.schedules; tvm_deform/ir/... is itself
     package = dotted if dotted.startswith("tvm_deform.") else f"tvm_deform.{dotted}"
     module = importlib.import_module(package)
     sides = Sides(module, module_at(options.commit, options.module), options.function)
+    compiled = ", compiled for AVX2 (x86-64-v3)" if options.avx2 else ""
     print(
-        f"CPU {targets.host_cpu()}, {torch.get_num_threads()} threads; {options.gradients}; "
+        f"CPU {targets.host_cpu()}{compiled}, {torch.get_num_threads()} threads; "
+        f"{options.gradients}; "
         f"{options.pairs} pairs of calls a layer, alternating; functions of {options.module} "
         f"at {options.commit}: {', '.join(options.function)}\n"
     )
