@@ -266,7 +266,8 @@ def test_schedule_ab_compares_a_commits_functions_call_by_call():
 
 def test_schedule_ab_compares_a_commits_definition_on_a_suite_file(tmp_path):
     """A definition module's TVMScript function (which its parser reads back from a source
-    file) of the committed tree against the working tree's, on a layer of a suite file."""
+    file) of the committed tree against the working tree's, on a layer of a suite file, both
+    compiled for AVX2."""
     root = Path(__file__).resolve().parents[1]
     suite = tmp_path / "layers.json"
     layer = dict(batch=1, in_channels=32, height=8, width=9, out_channels=32, kernel_h=3)
@@ -275,10 +276,11 @@ def test_schedule_ab_compares_a_commits_definition_on_a_suite_file(tmp_path):
     command = [
         *(sys.executable, "lab/schedule_ab.py", "--commit", "HEAD", "--gradients", "input"),
         *("--module", "tvm_deform/ir/definition.py", "--function", "_grad_input_blocks"),
-        *("--suite", str(suite), "--layers", "small_depthwise", "--pairs", "2"),
+        *("--suite", str(suite), "--layers", "small_depthwise", "--pairs", "2", "--avx2"),
     ]
     run = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
+    assert "compiled for AVX2 (x86-64-v3)" in run.stdout.splitlines()[0]
     rows = [line for line in run.stdout.splitlines() if line.startswith("| small_depthwise")]
     assert len(rows) == 1
     assert rows[0].split("|")[-2].strip() == "0.0e+00", rows
