@@ -46,7 +46,7 @@ import dataclasses
 from tvm import s_tir, sym, tirx
 from tvm.target import Target
 from tvm_deform.schedules.common import lanes as vector_lanes
-from tvm_deform.schedules.common import largest_divisor, parallel_tiles
+from tvm_deform.schedules.common import largest_divisor, parallel_tiles, vector_registers
 from tvm_deform.schedules.cpu import TRANSPOSE_BLOCK, channels_last_input, transpose_in_blocks
 from tvm_deform.schedules.rule import Choices, Rule
 
@@ -164,10 +164,17 @@ class BackwardCPU(Rule):
     kernel = "backward"
     target_kind = "llvm"
 
-    #: input channels held in registers at once in the ``grad_columns`` GEMM
+    #: input channels held in registers at once in the ``grad_columns`` GEMM (its register
+    #: block's rows, by two vectors of pixels), with 32 vector registers (AVX-512) and with 16
+    #: (AVX2): 8 rows spilled there, and the input's gradient of the 64- to 512-channel layers
+    #: took 0.62-0.83x its time with 4 (AVX2 code run on a Zen 4)
     channel_block = 8
-    #: vector registers the ``weight_sum`` register block may use (taps x output channels)
+    channel_block_16_registers = 4
+    #: vector registers the ``weight_sum`` register block may use (taps x output channels), of
+    #: 32 and of 16: with 24 of 16 it spilled, and the weight's gradient took 0.86-1.00x its
+    #: time with 12 (AVX2 code run on a Zen 4)
     register_vectors = 24
+    register_vectors_16_registers = 12
     #: the space's candidates
     channel_block_candidates = (2, 4, 8, 16)
     tile_vectors = (1, 2, 4)
@@ -181,6 +188,9 @@ class BackwardCPU(Rule):
             return None
         choose = Choices(sch, tunable)
         lanes = backward_lanes(sch, target)
+        wide = vector_registers(target) >= 32
+        rows = self.channel_block if wide else self.channel_block_16_registers
+        registers = self.register_vectors if wide else self.register_vectors_16_registers
         channels, pixels, outputs, taps = backward_extents(sch)
         tiles = [lanes * v for v in self.tile_vectors]
         # taps per weight_sum register block: every tap, or along the channels a few of them,
@@ -201,14 +211,14 @@ class BackwardCPU(Rule):
         choices = BackwardChoices(
             channel_block=choose(
                 self.channel_block_candidates,
-                largest_divisor(channels, self.channel_block),
+                largest_divisor(channels, rows),
                 lambda b: channels % b == 0 and b < channels,
             ),
             columns_tile=choose(tiles, _pixel_tile(pixels, lanes, vectors=2), tile_fits),
             sampling_tile=choose(tiles[:2], _pixel_tile(pixels, lanes, vectors=1), tile_fits),
             weight_block=choose(
                 self.weight_block_candidates,
-                largest_divisor(outputs, max(1, self.register_vectors // block_taps)),
+                largest_divisor(outputs, max(1, registers // block_taps)),
                 lambda b: outputs % b == 0 and b * block_taps <= 32,
             ),
             weight_vectors=weight_vectors,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import threading
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from tvm_deform.schedules.common import lanes as vector_lanes
 from tvm_deform import DeformConv2d, deform_conv2d, schedules
 from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape, Gradients
-from tvm_deform.runtime import calls, dispatch, kernels, records, targets
+from tvm_deform.runtime import calls, dispatch, hardware, kernels, records, targets
 
 #: the whole module is slow (many kernels, whole models or subprocesses): `pytest -m "not slow"`
 #: leaves it out of the quick loop; CI runs it
@@ -571,3 +573,41 @@ def test_cpu_workspaces_are_kept_for_the_next_call():
     thread.start()
     thread.join()
     assert other[0].data_ptr() != first[0].data_ptr()
+
+
+@pytest.mark.skipif(
+    hardware.detect().machine != "x86_64" or "avx2" not in hardware.detect().flags,
+    reason="AVX2 code needs an x86-64 CPU with AVX2",
+)
+def test_avx2_code_gradients_match_torchvision(monkeypatch, tmp_path):
+    """The kernels an AVX2-only CPU gets (16 vector registers, 8 lanes: smaller register
+    blocks), compiled for ``x86-64-v3`` and run here: a dense layer with channels-last
+    column gradients and two vectors a weight-gradient task, and a depthwise layer."""
+    host = hardware.detect()
+    flags = frozenset({"avx", "avx2", "fma"})
+    avx2 = targets.cpu_target(hardware.CPU("x86_64", "avx2", flags, host.cores, host.caches))
+    monkeypatch.setattr(targets, "host_target", lambda: avx2)
+    monkeypatch.setenv("TVM_DEFORM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TVM_DEFORM_TUNED", "0")
+    kernels.clear_memory_cache()
+    try:
+        base = dict(n=2, h=9, w=10, stride=(1, 1), dilation=(1, 1), use_mask=True)
+        base |= dict(use_bias=True, kh=3, kw=3, padding=(1, 1))
+        layers = [
+            base | dict(c=32, o=24, groups=1, offset_groups=1),
+            base | dict(c=32, o=32, groups=32, offset_groups=1),
+        ]
+        for cfg in layers:
+            _, ours = gradients(deform_conv2d, make_inputs(cfg, torch.float32))
+            _, exact = gradients(torchvision.ops.deform_conv2d, make_inputs(cfg, torch.float64))
+            for name in ours:
+                assert_close(ours[name], exact[name], 5e-6, name)
+        # and they were AVX2 code: no 512-bit register in any kernel (where objdump is here)
+        built = [so for so in tmp_path.rglob("deform_conv2d_*.so")]
+        assert any("backward" in so.name for so in built)
+        if shutil.which("objdump"):
+            for so in built:
+                code = subprocess.run(["objdump", "-d", so], capture_output=True, text=True)
+                assert "%ymm" in code.stdout and "%zmm" not in code.stdout, so.name
+    finally:
+        kernels.clear_memory_cache()
