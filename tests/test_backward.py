@@ -603,7 +603,7 @@ def test_avx2_code_gradients_match_torchvision(monkeypatch, tmp_path):
             for name in ours:
                 assert_close(ours[name], exact[name], 5e-6, name)
         # and they were AVX2 code: no 512-bit register in any kernel (where objdump is here)
-        built = [so for so in tmp_path.rglob("deform_conv2d_*.so")]
+        built = list(tmp_path.rglob("deform_conv2d_*.so"))
         assert any("backward" in so.name for so in built)
         if shutil.which("objdump"):
             for so in built:
