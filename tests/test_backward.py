@@ -582,7 +582,9 @@ def test_cpu_workspaces_are_kept_for_the_next_call():
 def test_avx2_code_gradients_match_torchvision(monkeypatch, tmp_path):
     """The kernels an AVX2-only CPU gets (16 vector registers, 8 lanes: smaller register
     blocks), compiled for ``x86-64-v3`` and run here: a dense layer with channels-last
-    column gradients and two vectors a weight-gradient task, and a depthwise layer."""
+    column gradients and two vectors a weight-gradient task, a depthwise layer, and a map of
+    576 pixels with 128 output channels (its forward the column tile on AVX2, the
+    output-channel structure with 32 registers)."""
     host = hardware.detect()
     flags = frozenset({"avx", "avx2", "fma"})
     avx2 = targets.cpu_target(hardware.CPU("x86_64", "avx2", flags, host.cores, host.caches))
@@ -596,6 +598,7 @@ def test_avx2_code_gradients_match_torchvision(monkeypatch, tmp_path):
         layers = [
             base | dict(c=32, o=24, groups=1, offset_groups=1),
             base | dict(c=32, o=32, groups=32, offset_groups=1),
+            base | dict(n=1, c=64, o=128, h=24, w=24, groups=1, offset_groups=1),
         ]
         for cfg in layers:
             _, ours = gradients(deform_conv2d, make_inputs(cfg, torch.float32))
