@@ -14,7 +14,7 @@ import torch
 
 from tvm_deform.binding.ops import run_forward
 from tvm_deform.ir.definition import ConvShape
-from tvm_deform.runtime import hardware, kernels, targets
+from tvm_deform.runtime import kernels, targets
 from tvm_deform.runtime.inputs import conv_kwargs, random_inputs
 from tvm_deform.tools.bench import measure
 from tvm_deform.tools.suite import load_suite
@@ -55,8 +55,7 @@ def main() -> None:
     layers = {name: suite[name] for name in SUITE_LAYERS}
     layers["c96_n2_40x48"] = ConvShape(2, 96, 40, 48, 96, 3, 3, pad_h=1, pad_w=1)
     layers["c192_n1_30x30"] = ConvShape(1, 192, 30, 30, 192, 3, 3, pad_h=1, pad_w=1)
-    avx2 = targets.cpu_target(hardware.CPU("x86_64", "avx2", frozenset({"avx", "avx2", "fma"}), 2))
-    compiled_for = {"host": targets.host_target(), "avx2": avx2}
+    compiled_for = {"host": targets.host_target(), "avx2": targets.avx2_target()}
     print(
         f"CPU {targets.host_cpu()}, {torch.get_num_threads()} threads; default schedule, median ms"
     )

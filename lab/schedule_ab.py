@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 from tvm_deform import deform_conv2d  # noqa: E402
 from tvm_deform import schedules as schedule_package  # noqa: E402
-from tvm_deform.runtime import hardware, kernels, targets  # noqa: E402
+from tvm_deform.runtime import kernels, targets  # noqa: E402
 from tvm_deform.runtime.inputs import conv_kwargs, random_inputs  # noqa: E402
 from tvm_deform.tools.suite import load_suite  # noqa: E402
 
@@ -170,9 +170,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=200, help="pairs of calls per layer")
     options = parser.parse_args()
     if options.avx2:
-        host = hardware.detect()
-        flags = frozenset({"avx", "avx2", "fma"})
-        avx2 = targets.cpu_target(hardware.CPU("x86_64", "avx2", flags, host.cores, host.caches))
+        avx2 = targets.avx2_target()
         targets.host_target = lambda: avx2  # every kernel the op builds, both sides
 
     dotted = options.module.removesuffix(".py").replace("/", ".").removesuffix(".__init__")

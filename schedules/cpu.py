@@ -104,7 +104,7 @@ class ForwardCPU(Rule):
         self.schedule(sch, layer, vector, registers, Choices(sch, tunable))
         return sch
 
-    def takes(self, layer: Layer, vector: int, tunable: bool, registers: int = 32) -> bool:
+    def takes(self, layer: Layer, vector: int, tunable: bool, registers: int) -> bool:
         """Whether the rule schedules ``layer`` (``vector`` lanes, ``registers`` vector
         registers); as a design space with ``tunable``."""
         raise NotImplementedError
@@ -133,7 +133,7 @@ class InlineCPU(ForwardCPU):
     pixel_candidates = (4, 8, 16, 32)
     channel_candidates = (4, 8, 16, 32)
 
-    def takes(self, layer: Layer, vector: int, tunable: bool, registers: int = 32) -> bool:
+    def takes(self, layer: Layer, vector: int, tunable: bool, registers: int) -> bool:
         return layer.samples_used_once
 
     def default_tile(self, vector: int) -> int:
@@ -180,7 +180,7 @@ class OutputChannelCPU(ForwardCPU):
     block_pixel_candidates = (4, 8)
     vector_candidates = (8, 16, 32, 64)
 
-    def takes(self, layer: Layer, vector: int, tunable: bool, registers: int = 32) -> bool:
+    def takes(self, layer: Layer, vector: int, tunable: bool, registers: int) -> bool:
         if not tunable:
             return layer.suits_output_channel_vectors(vector, registers)
         return (
@@ -241,7 +241,7 @@ class ColumnTileCPU(ForwardCPU):
     tile_candidates = (8, 16, 32, 64)
     out_block_candidates = (2, 3, 4, 6, 8, 12, 16)
 
-    def takes(self, layer: Layer, vector: int, tunable: bool, registers: int = 32) -> bool:
+    def takes(self, layer: Layer, vector: int, tunable: bool, registers: int) -> bool:
         return True
 
     def default_tile(self, vector: int) -> int:
@@ -400,7 +400,7 @@ class Layer:
     def out_per_group(self) -> int:
         return self.out_channels // (self.in_channels // self.in_per_group)
 
-    def suits_output_channel_vectors(self, vector: int, registers: int = 32) -> bool:
+    def suits_output_channel_vectors(self, vector: int, registers: int) -> bool:
         """Whether the default schedules this layer with the output-channel structure: the
         channels-last sampling applies, a vector of output channels stays in one weight group,
         the weight is small enough to repack at every call (``PACKED_WEIGHT_MAX``, or

@@ -338,7 +338,7 @@ def _depthwise_columns(sch: s_tir.Schedule) -> bool:
     """Whether ``grad_columns`` sums over one output channel per input channel (a depthwise
     layer): each column gradient a product of a weight and an output gradient."""
     block = sch.get_sblock("grad_columns")
-    _, c, _, _, ro = sch.get_loops(block)
+    ro = sch.get_loops(block)[-1]
     weight = next(r.source for r in sch.get(block).reads if r.source.name == "weight")
     return int(sch.get(ro).extent) == 1 and int(weight.shape[1]) == 1
 

@@ -585,9 +585,7 @@ def test_avx2_code_gradients_match_torchvision(monkeypatch, tmp_path):
     column gradients and two vectors a weight-gradient task, a depthwise layer, and a map of
     576 pixels with 128 output channels (its forward the column tile on AVX2, the
     output-channel structure with 32 registers)."""
-    host = hardware.detect()
-    flags = frozenset({"avx", "avx2", "fma"})
-    avx2 = targets.cpu_target(hardware.CPU("x86_64", "avx2", flags, host.cores, host.caches))
+    avx2 = targets.avx2_target()
     monkeypatch.setattr(targets, "host_target", lambda: avx2)
     monkeypatch.setenv("TVM_DEFORM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TVM_DEFORM_TUNED", "0")

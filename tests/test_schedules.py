@@ -33,7 +33,7 @@ from tvm_deform.binding.ops import run_forward
 from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.ir.script import pseudo_frames_answered_at_once
-from tvm_deform.runtime import hardware, targets
+from tvm_deform.runtime import targets
 from tvm_deform.tools.suite import load_suite
 
 TOLERANCE = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -252,7 +252,7 @@ def test_default_picks_the_structure_from_the_layer():
 def test_the_output_channel_structure_takes_smaller_weights_with_16_registers():
     # With AVX2's 16 vector registers its register block is smaller: the default keeps it for
     # 64 to 64 channels and leaves 128 output channels to the column tile.
-    avx2 = targets.cpu_target(hardware.CPU("x86_64", "avx2", frozenset({"avx", "avx2"}), 2))
+    avx2 = targets.avx2_target()
     small = ConvShape(1, 64, 32, 32, 64, 3, 3, pad_h=1, pad_w=1)
     wider = ConvShape(1, 128, 32, 32, 128, 3, 3, pad_h=1, pad_w=1)
     for shape, packs in ((small, True), (wider, False)):

@@ -86,6 +86,15 @@ def cpu_target(cpu: hardware.CPU) -> Target:
     )
 
 
+def avx2_target() -> Target:
+    """The LLVM target an AVX2-only x86-64 CPU of this machine's cores and caches gets
+    (``x86-64-v3``: 8 float32 lanes, 16 vector registers): to build that code path here and,
+    on a CPU with AVX2 or more, run it."""
+    host = hardware.detect()
+    flags = frozenset({"avx", "avx2", "fma"})
+    return cpu_target(hardware.CPU("x86_64", "avx2", flags, host.cores, host.caches))
+
+
 #: what every CUDA target of ours declares besides its ``arch``: the limits that hold on every
 #: NVIDIA GPU since Volta (MetaSchedule and the schedule's tile choice read them)
 CUDA_LIMITS = {
