@@ -29,7 +29,12 @@ from tvm_deform.schedules.cpu_backward import (
     dense_weight_along_channels,
     grad_input_block,
 )
-from tvm_deform.schedules.cuda import OnePassCUDA, SampleOnceCUDA, SplitReductionCUDA
+from tvm_deform.schedules.cuda import (
+    OnePassCUDA,
+    SampleOnceCUDA,
+    SplitReductionCUDA,
+    WideTileCUDA,
+)
 from tvm_deform.schedules.cuda_backward import BackwardCUDA, GradInputCUDA
 from tvm_deform.schedules.cuda_tensor_core import MIN_ARCH as TENSOR_CORE_MIN_ARCH
 from tvm_deform.schedules.cuda_tensor_core import SampleOnceTensorCoreCUDA, TensorCoreCUDA
@@ -48,6 +53,7 @@ RULES: tuple[Rule, ...] = (
     BackwardCPU(),
     GradInputCPU(),
     SampleOnceCUDA(),
+    WideTileCUDA(),
     SplitReductionCUDA(),
     OnePassCUDA(),
     TensorCoreCUDA(),
@@ -79,13 +85,20 @@ def apply_default(kernel: str, func: tirx.PrimFunc, target: Target) -> s_tir.Sch
 def design_spaces(kernel: str, func: tirx.PrimFunc, target: Target) -> list[s_tir.Schedule]:
     """The MetaSchedule design spaces of ``func`` (the PrimFunc of ``kernel``) on ``target``:
     every rule's space that takes it, in :data:`RULES` order."""
-    spaces: list[s_tir.Schedule] = []
+    return [space for _, space in named_design_spaces(kernel, func, target)]
+
+
+def named_design_spaces(
+    kernel: str, func: tirx.PrimFunc, target: Target
+) -> list[tuple[str, s_tir.Schedule]]:
+    """:func:`design_spaces`, each with the name of the rule that gave it. A space as returned
+    is its rule's own schedule (every sampled tile size at the rule's value)."""
+    spaces: list[tuple[str, s_tir.Schedule]] = []
     for rule in rules_for(kernel, target):
         space = rule.apply(func, target, tunable=True)
-        if isinstance(space, list):
-            spaces.extend(space)
-        elif space is not None:
-            spaces.append(space)
+        for sch in space if isinstance(space, list) else [space]:
+            if sch is not None:
+                spaces.append((repr(rule), sch))
     return spaces
 
 

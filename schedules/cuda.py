@@ -584,3 +584,37 @@ class SampleOnceCUDA(SplitReductionCUDA):
         per_group, tile = outputs // (channels // weight_in), threads_o * regs_o
         aligned = per_group % tile == 0 or tile % per_group == 0
         return aligned and super().fits(sch, threads_o, regs_o, budget)
+
+
+class WideTileCUDA(SampleOnceCUDA):
+    """``SampleOnceCUDA``'s structure with the GEMM's register block of the classic SGEMM
+    kernels: 8 output channels by 8 pixels a thread (64 accumulators), 16 x 8 threads, tiles
+    of 128 output channels by 64 pixels (8 x 8 threads, 64 channels, where a group has fewer
+    than 128). Per step of the reduction a thread multiplies 64 times for 16 operands read
+    from shared memory, where the default's 4 x 4 block multiplies 16 times for 8; it has a
+    quarter of the default's thread blocks and a quarter of its threads' warps to hide
+    latency with. Not a default rule (no GPU has timed it): a design space, whose schedule as
+    generated each tuning round measures beside the default's."""
+
+    default = False
+    threads_p, regs_p = 8, 8
+    out_tiles = ((16, 8), (8, 8))
+
+    def fits(self, sch: s_tir.Schedule, threads_o: int, regs_o: int, budget: int) -> bool:
+        """Also: the output tile holds no more channels than a group has."""
+        conv = sch.get(sch.get_sblock("conv"))
+        outputs, weight_in = int(conv.iter_vars[1].dom.extent), int(conv.iter_vars[3].dom.extent)
+        channels = int(sch.get(sch.get_sblock("columns")).writes[0].source.shape[1])
+        per_group = outputs // (channels // weight_in)
+        return threads_o * regs_o <= per_group and super().fits(sch, threads_o, regs_o, budget)
+
+    def apply(
+        self, func: tirx.PrimFunc, target: Target, tunable: bool = False
+    ) -> s_tir.Schedule | list[s_tir.Schedule] | None:
+        """As ``SampleOnceCUDA``'s, for layers with a group of at least 64 output channels."""
+        sch = s_tir.Schedule(func)
+        if not is_deform_conv(sch):
+            return None
+        if not any(self.fits(sch, t, r, self.budget(target)) for t, r in self.out_tiles):
+            return None
+        return super().apply(func, target, tunable)

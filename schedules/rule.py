@@ -64,15 +64,16 @@ class Choices:
     ):
         """The default's value untuned; else one of the valid values (an int when there is
         one, a sampled ``ExprRV`` when there are several; the default when none is valid).
-        A sampled choice starts at the default's value, so that a design space as returned is
-        the default schedule wherever the default's values are valid."""
+        A sampled choice starts at the default's value, or where it is not valid at the valid
+        value nearest to it, so that a design space as returned is the rule's own schedule:
+        the default schedule wherever the default's values are valid, and the same schedule
+        every time it is generated."""
         if not self.tunable:
             return default
         options = sorted({value for value in (*candidates, default) if valid(value)})
         if len(options) <= 1:
             return options[0] if options else default
+        nearest = min(options, key=lambda value: (abs(value - default), value))
         return self.sch.sample_categorical(
-            options,
-            [1.0 / len(options)] * len(options),
-            decision=options.index(default) if default in options else None,
+            options, [1.0 / len(options)] * len(options), decision=options.index(nearest)
         )

@@ -21,6 +21,7 @@ from tvm_deform.schedules.cuda import (
     OnePassCUDA,
     SampleOnceCUDA,
     SplitReductionCUDA,
+    WideTileCUDA,
 )
 from tvm_deform.schedules.cuda_tensor_core import SampleOnceTensorCoreCUDA, TensorCoreCUDA
 
@@ -341,6 +342,54 @@ def test_random_points_of_the_sample_once_spaces_match_torchvision():
     for sch in points:
         kernel = tvm.compile(sch.mod, target=host)["deform_conv2d"]
         assert_close(run_forward(shape, **inputs, kernel=kernel), expected, 1e-6)
+
+
+#: layers the wide tile takes: 64 and 128 output channels a group, two offset groups, a
+#: stride, a batch, a ragged map and a bias
+WIDE_LAYERS = (
+    ConvShape(1, 32, 11, 9, 64, 3, 3, pad_h=1, pad_w=1, offset_groups=2, has_bias=True),
+    ConvShape(2, 64, 13, 7, 128, 3, 3, stride_h=2, pad_h=1, pad_w=1),
+    ConvShape(1, 64, 9, 10, 256, 3, 3, pad_h=1, pad_w=1, weight_groups=2, has_bias=True),
+)
+
+
+@pytest.mark.parametrize("shape", WIDE_LAYERS, ids=["64", "128", "grouped"])
+def test_emulated_wide_tile_schedule_matches_torchvision(shape):
+    """``WideTileCUDA`` (8 x 8 register blocks), per size and for any size, without the
+    thread bindings, run on the CPU."""
+    inputs = random_inputs(shape)
+    expected = torchvision.ops.deform_conv2d(**inputs, **conv_kwargs(shape))
+    host = targets.host_target()
+    symbolic = definition.forward(shape, sizes="symbolic", staged_inputs=False)
+    for func in (definition.forward(shape), symbolic):
+        sch = WideTileCUDA(emulate=True).apply(func, host)
+        kernel = tvm.compile(sch.mod, target=host)["deform_conv2d"]
+        assert_close(run_forward(shape, **inputs, kernel=kernel), expected, 1e-6)
+
+
+def test_the_wide_tile_takes_layers_with_64_output_channels_a_group():
+    target = targets.cuda_target("sm_90", 132)
+    taken = {n for n, s in SUITE.items() if WideTileCUDA().apply(definition.forward(s), target)}
+    assert taken == set(SUITE) - {"seed", "depthwise_128x56x56"}
+    sch = s_tir.Schedule(definition.forward(SUITE["r50_c3_128x100x168"]))
+    assert WideTileCUDA().out_tile(sch, WideTileCUDA().budget(target)) == (16, 8)
+    sch = s_tir.Schedule(definition.forward(SUITE["demo_64x56x56"]))
+    assert WideTileCUDA().out_tile(sch, WideTileCUDA().budget(target)) == (8, 8)
+
+
+@needs_nvcc
+def test_the_wide_tile_builds_for_the_gpu_without_spills():
+    target = targets.cuda_target("sm_90", 132)
+    for name in ("demo_64x56x56", "r50dcn320_c5_512x10x10"):
+        func = schedules._any_size_definition(SUITE[name].any_size(), target)
+        source = cuda_build.cuda_source(
+            SUITE[name], "sm_90", schedule=WideTileCUDA().apply(func, target)
+        )
+        built = cuda_build.nvcc_build(source, "sm_90")
+        assert 2 <= len(built.kernels) <= 3 and not built.spills(), name
+        # 64 accumulators a thread, and no more registers than a thread may have.
+        used = re.search(r"Used (\d+) registers", built.kernels["deform_conv2d_kernel_1"])
+        assert used and 64 < int(used.group(1)) <= 255, name
 
 
 @needs_nvcc

@@ -17,7 +17,8 @@ import torch
 from tvm.s_tir import meta_schedule as ms
 
 from tvm_deform.ir.definition import ConvShape
-from tvm_deform.runtime import targets
+from tvm_deform.runtime import kernels, targets
+from tvm_deform.runtime.records import record_ms, tuned_gain
 from tvm_deform.tools import rounds
 from tvm_deform.tools.cli import main
 from tvm_deform.tools.tuning import records
@@ -56,14 +57,30 @@ def test_a_round_trip_on_the_cpu_learns_and_ranks_the_next_round(tmp_path):
     time_round(tmp_path / "round1", tmp_path / "round1.jsonl")
     assert len((tmp_path / "round1.jsonl").read_text().splitlines()) == COUNT
 
+    # The first round starts with its seeds: the default schedule, then each design space as
+    # its rule generates it; the search fills the rest.
+    entries = candidates_of(first)
+    seeds = [c for c in entries if "seed" in c]
+    assert seeds[0]["space"] == "default" and seeds[0]["seed"] == "default"
+    assert len(seeds) >= 2 and entries[: len(seeds)] == seeds
+    assert all(c["space"] == rounds.SPACE for c in seeds[1:])
+    default_trace = str(kernels.default_schedule(LAYER, target).trace)
+    assert str(_candidate(seeds[0]).sch.trace) == default_trace
+
     summary = rounds.ingest(first, tmp_path / "round1.jsonl", work)
     assert [(s.measured, s.failed) for s in summary] == [(COUNT, 0)]
-    assert len(records(work / targets.hardware_key(target) / rounds.SPACE, LAYER)) == COUNT
-    assert (work / targets.hardware_key(target) / rounds.MODEL_FILE).exists()
+    # The default's time goes to the default space's database (what a tuned record must
+    # beat), the others' to the searched space's.
+    key_dir = work / targets.hardware_key(target)
+    (default,) = records(key_dir / "default", LAYER)
+    assert str(default.trace) == default_trace
+    assert len(records(key_dir / rounds.SPACE, LAYER)) == COUNT - 1
+    assert (key_dir / rounds.MODEL_FILE).exists()
 
     second = rounds.propose({"layer": LAYER}, target, work, tmp_path / "round2", COUNT, seed=2)
     assert json.loads(second.read_text())["ranked_by_model"] is True
     proposed = candidates_of(second)
+    assert not any("seed" in c for c in proposed)  # the first round measured them
     assert len(proposed) >= 2  # new ones, as many as the small space has left (up to COUNT)
     scores = [c["predicted"] for c in proposed]
     # Ranked by the model trained on the first round: its scores, best first, and the
@@ -83,12 +100,16 @@ def test_a_round_trip_on_the_cpu_learns_and_ranks_the_next_round(tmp_path):
     assert main([*argv, "--work-dir", str(work), "--logs-dir", str(logs)]) == 0
     total = COUNT + len(proposed)
     assert rounds.cost_model(work, target, COUNT).data_size == total
-    assert len(records(work / targets.hardware_key(target) / rounds.SPACE, LAYER)) == total
-    # The pruned logs: the best few, under the hardware key, the measuring machine named.
+    assert len(records(key_dir / rounds.SPACE, LAYER)) == total - 1
+    # The pruned logs: the best few, under the hardware key, the measuring machine named, and
+    # the default's time beside them, so that the dispatch knows what the records gained.
     key = targets.hardware_key(target)
     manifest = json.loads((logs / key / "manifest.json").read_text())
     assert manifest["cpu"] == lines[0]["device"]
     assert 1 <= len(records(logs / key / rounds.SPACE, LAYER)) <= 3
+    spaces = manifest["workloads"]["layer"]
+    assert spaces["default"]["best_ms"] == pytest.approx(record_ms(default), abs=1e-4)
+    assert tuned_gain(spaces, None) is not None
 
 
 def _candidate(entry: dict) -> ms.MeasureCandidate:
@@ -116,9 +137,13 @@ def test_a_wrong_candidate_is_recorded_as_failed(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert "run_secs" in lines[0]
     assert "differs from torchvision" in lines[1]["error"]
+    assert all("run_secs" in line for line in lines[2:])
     summary = rounds.ingest(first, tmp_path / "results.jsonl", work)
-    assert [(s.measured, s.failed) for s in summary] == [(1, 1)]
-    assert len(records(work / targets.hardware_key(target) / rounds.SPACE, LAYER)) == 1
+    assert [(s.measured, s.failed) for s in summary] == [(len(entries) - 1, 1)]
+    # The default's time in its own database, the others' but the failed one in the space's.
+    key_dir = work / targets.hardware_key(target)
+    assert len(records(key_dir / "default", LAYER)) == 1
+    assert len(records(key_dir / rounds.SPACE, LAYER)) == len(entries) - 2
 
 
 def test_a_backward_round_checks_every_gradient_and_ships_its_records(tmp_path):
@@ -136,7 +161,8 @@ def test_a_backward_round_checks_every_gradient_and_ships_its_records(tmp_path):
     names = [a["name"] for a in workload["args"]]
     assert {"grad_output", "grad_offset", "grad_mask", "grad_weight", "grad_bias"} <= set(names)
     entries = workload["candidates"]
-    assert len(entries) == 2 and all(e["function"] == "deform_conv2d_backward" for e in entries)
+    assert entries[0]["seed"] == "default"  # then the backward rule's own schedules
+    assert len(entries) >= 2 and all(e["function"] == "deform_conv2d_backward" for e in entries)
     dilated = ConvShape(1, 16, 10, 10, 32, 3, 3, pad_h=2, pad_w=2, dilation_h=2, dilation_w=2,
                         has_bias=True)  # fmt: skip
     rounds.propose({"x": dilated}, target, tmp_path / "w2", tmp_path / "other", 1, ops=["backward"])
@@ -150,7 +176,9 @@ def test_a_backward_round_checks_every_gradient_and_ships_its_records(tmp_path):
     argv = ["tune-ingest", str(tmp_path / "round"), str(tmp_path / "results.jsonl")]
     assert main([*argv, "--work-dir", str(work), "--logs-dir", str(logs)]) == 0
     key = targets.hardware_key(target)
-    assert len(records(logs / key / rounds.SPACE, LAYER, "backward")) == 1
+    handwritten = records(logs / key / rounds.SPACE, LAYER, "backward")
+    assert len(handwritten) == min(3, len(entries) - 2)  # not the default's, nor the failed one
+    assert len(records(logs / key / "default", LAYER, "backward")) == 1
     assert not records(logs / key / rounds.SPACE, LAYER)  # no forward was proposed
 
 
@@ -170,6 +198,10 @@ def test_a_cuda_round_holds_cubins_and_the_launches_that_run_them(tmp_path, caps
         "data", "offset", "mask", "weight", "bias", "output",
     ]  # fmt: skip
     assert backward["op"] == "backward"
+    # Seeds first: the default, then each rule's own schedule, the wide tile's among them.
+    seeds = [e["seed"] for e in forward["candidates"] if "seed" in e]
+    assert seeds[0] == "default" and {"SampleOnceCUDA", "WideTileCUDA"} <= set(seeds)
+    assert backward["candidates"][0]["seed"] == "default"
     for workload in (forward, backward):
         names = {a["name"] for a in workload["args"]}
         written = set()

@@ -403,7 +403,7 @@ def run_tune_ingest(args: argparse.Namespace) -> int:
         device = next((s.device for s in summary if s.device), None)
         target = Target(described["target"])
         write_pruned_logs(
-            args.work_dir, args.logs_dir, workloads, [rounds.SPACE], target, ops, cpu=device
+            args.work_dir, args.logs_dir, workloads, rounds.SPACES, target, ops, cpu=device
         )
         print(f"pruned logs of {targets.hardware_key(target)} written to {args.logs_dir}")
     return 0

@@ -5,10 +5,12 @@ A GPU may be lent for minutes at a time, without TVM on it and with little room 
 So a round of tuning is split in three steps, each a command:
 
 1. :func:`propose` (here, no GPU needed): for each workload and op (the forward, the
-   backward's gradients kernel), MetaSchedule's evolutionary search proposes ``count`` new
-   candidates from the design spaces, ranked by the cost model of the earlier rounds (an
-   XGBoost model, saved in the work directory, whose ``num_warmup_samples`` is one round so
-   that it ranks from the second round on). Each candidate is built: for a CUDA target, its
+   backward's gradients kernel), the seeds not measured yet (the default schedule and each
+   rule's own schedule, see :func:`_seeds`), then MetaSchedule's evolutionary search proposes
+   new candidates from the design spaces up to ``count``, ranked by the cost model of the
+   earlier rounds (an XGBoost model, saved in the work directory, whose
+   ``num_warmup_samples`` is one round so that it ranks from the second round on). Each
+   candidate is built: for a CUDA target, its
    kernels into a cubin with nvcc, with the launch plan the host code would run (each
    kernel's arguments, grid, block and shared memory, and the scratch buffers); for an LLVM
    target (the rehearsal on a CPU), into a shared library. The round directory holds
@@ -17,7 +19,8 @@ So a round of tuning is split in three steps, each a command:
    runtime for an LLVM round): times every candidate, writes one JSON line per candidate as it
    goes, within a deadline.
 3. :func:`ingest` (here): the times become MetaSchedule tuning records in the work directory's
-   database (``<work>/<hardware key>/handwritten``), and the cost model learns from them and is
+   databases (``<work>/<hardware key>/handwritten``, and ``default`` for the default
+   schedule's), and the cost model learns from them and is
    saved for the next round. ``tvm-deform tune-report`` and the pruned logs read that database
    as they read an online tuning run's.
 """
@@ -43,9 +46,10 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.target import Target
 
 from tvm_deform.ir.definition import ConvShape
-from tvm_deform.runtime import targets
+from tvm_deform.runtime import kernels, targets
 from tvm_deform.runtime.kernels import compile_schedule
-from tvm_deform.runtime.records import workload_module
+from tvm_deform.runtime.records import DEFAULT_SPACE, workload_module
+from tvm_deform.schedules import named_design_spaces
 from tvm_deform.schedules.common import tensor_intrinsics
 from tvm_deform.tools import cuda_build
 from tvm_deform.tools.tuning import RuleSpaces, database, label
@@ -54,6 +58,8 @@ from tvm_deform.tools.tuning import RuleSpaces, database, label
 ROUND_FILE = "round.json"
 #: the design space the rounds search, and the database they write to
 SPACE = "handwritten"
+#: the databases a round's times go to: the searched space's, and the default schedule's
+SPACES = (SPACE, DEFAULT_SPACE)
 #: the cost model's file in the work directory, beside the databases
 MODEL_FILE = "cost_model.tar"
 
@@ -191,9 +197,10 @@ def propose(
     progress=print,
 ) -> Path:
     """Write a round of ``count`` new candidates per workload and op of ``ops`` ("forward",
-    "backward": the gradients kernel; see the module docstring) to ``out_dir`` and return the
-    path of its ``round.json``, whose workloads are named as :func:`.tuning.label` names
-    them."""
+    "backward": the gradients kernel; see the module docstring), or of its seeds where they
+    are more, to ``out_dir`` and return the path of its ``round.json``, whose workloads are
+    named as :func:`.tuning.label` names them. A seed's entry says which it is (``seed``)
+    and the database its time goes to (``space``)."""
     work_dir, out_dir = Path(work_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     key = targets.hardware_key(target)
@@ -218,12 +225,19 @@ def propose(
             database=db,
             cost_model=model,
         )
-        candidates = _new(strategy.generate_measure_candidates() or [], db, shape, op)
+        seeds = _seeds(context, shape, target, op, work_dir / key)
+        searched = _new(strategy.generate_measure_candidates() or [], [db], shape, op)
         strategy.post_tuning()
+        known = {tvm_ffi.structural_hash(seed.candidate.sch.mod) for seed in seeds}
+        searched = [c for c in searched if tvm_ffi.structural_hash(c.sch.mod) not in known]
+        searched = searched[: max(0, count - len(seeds))]
+        candidates = [seed.candidate for seed in seeds] + searched
         scores = list(model.predict(context, candidates)) if trained and candidates else []
-        searched = time.monotonic()
+        search_end = time.monotonic()
         stem = name if op == "forward" else f"{name}-{op}"
         entries = _build_all(stem, candidates, target, out_dir)
+        for entry, first in zip(entries, seeds, strict=False):
+            entry.update(space=first.space, seed=first.name)
         for entry, score in zip(entries, scores, strict=False):
             entry["predicted"] = float(score)
         description["workloads"][label(name, op)] = {
@@ -235,22 +249,61 @@ def propose(
         }
         built = sum(1 for e in entries if "error" not in e)
         progress(
-            f"[{label(name, op)}] {len(candidates)} candidates "
+            f"[{label(name, op)}] {len(seeds)} seeds and {len(searched)} candidates "
             + ("ranked by the cost model" if trained else "at random (no model yet)")
-            + f" in {searched - started:.1f} s, {built} built in "
-            f"{time.monotonic() - searched:.1f} s"
+            + f" in {search_end - started:.1f} s, {built} built in "
+            f"{time.monotonic() - search_end:.1f} s"
         )
     path = out_dir / ROUND_FILE
     path.write_text(json.dumps(description, indent=1))
     return path
 
 
-def _new(candidates: list, db: ms.database.Database, shape: ConvShape, op: str) -> list:
-    """``candidates`` less those already in ``db`` or twice in the list (the search proposes
-    a measured one again once a small space has few left)."""
+@dataclasses.dataclass(frozen=True)
+class Seed:
+    """A candidate a round measures before the search's: its database's space, and what it
+    is (the default schedule, or the rule whose own schedule it is)."""
+
+    space: str
+    name: str
+    candidate: ms.MeasureCandidate
+
+
+def _seeds(
+    context: ms.TuneContext, shape: ConvShape, target: Target, op: str, key_dir: Path
+) -> list[Seed]:
+    """The round's seeds, those not measured yet: the default schedule (space ``default``:
+    its time is what a tuned record must beat to be run, see ``records.tuned_gain``), and
+    each design space as its rule generates it (the rule's own tile sizes, the starting points
+    a person chose; MetaSchedule's first search samples at random)."""
+    found = [(DEFAULT_SPACE, "default", kernels.default_schedule(shape, target, op))]
+    for name, space in named_design_spaces(op, context.mod["main"], target):
+        sch = space.copy()
+        if all(postproc.apply(sch) for postproc in context.space_generator.postprocs):
+            found.append((SPACE, name, sch))
+    seeds, seen = [], set()
+    for space, name, sch in found:
+        candidate = ms.MeasureCandidate(sch, ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"]))
+        if _new([candidate], [database(key_dir / space)], shape, op, seen):
+            seeds.append(Seed(space, name, candidate))
+    return seeds
+
+
+def _new(
+    candidates: list,
+    dbs: list[ms.database.Database],
+    shape: ConvShape,
+    op: str,
+    seen: set | None = None,
+) -> list:
+    """``candidates`` less those already in one of ``dbs``, in ``seen`` (structural hashes of
+    their modules, to which those kept are added) or twice in the list (the search proposes a
+    measured one again once a small space has few left)."""
     mod = workload_module(shape, op)
-    seen = set()
-    if db.has_workload(mod):
+    seen = set() if seen is None else seen
+    for db in dbs:
+        if not db.has_workload(mod):
+            continue
         for record in db.get_all_tuning_records():
             if tvm_ffi.structural_equal(record.workload.mod, mod):
                 seen.add(tvm_ffi.structural_hash(record.as_measure_candidate().sch.mod))
@@ -386,7 +439,7 @@ def ingest(
             entry = json.loads(line)
             times[(entry["workload"], int(entry["id"]))] = entry.get("run_secs")
             devices[entry["workload"]] = entry.get("device")
-    db = database(work_dir / description["hardware_key"] / SPACE)
+    dbs = {space: database(work_dir / description["hardware_key"] / space) for space in SPACES}
     first = next(iter(description["workloads"].values()), {"candidates": []})
     model = cost_model(work_dir, target, max(1, len(first["candidates"])))
     summary = []
@@ -394,7 +447,7 @@ def ingest(
         shape, op = ConvShape(**workload["shape"]), workload.get("op", "forward")
         mod = workload_module(shape, op)
         context = _context(shape, target, 0, op)
-        committed = db.commit_workload(mod)
+        committed = {space: db.commit_workload(mod) for space, db in dbs.items()}
         candidates, results, best, failed = [], [], None, 0
         for entry in workload["candidates"]:
             secs = times.get((name, entry["id"]))
@@ -408,9 +461,10 @@ def ingest(
                 continue
             run_secs = [tvm.runtime.convert(float(s)) for s in secs]
             results.append(ms.runner.RunnerResult(run_secs, None))
-            db.commit_tuning_record(
+            space = entry.get("space", SPACE)
+            dbs[space].commit_tuning_record(
                 ms.database.TuningRecord(
-                    candidate.sch.trace, committed, run_secs, target, candidate.args_info
+                    candidate.sch.trace, committed[space], run_secs, target, candidate.args_info
                 )
             )
             ms_value = sorted(secs)[len(secs) // 2] * 1e3
