@@ -5,6 +5,7 @@ fits), and the schedule A/B's."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -288,3 +289,35 @@ def test_schedule_ab_compares_a_commits_definition_on_a_suite_file(tmp_path):
     rows = [line for line in run.stdout.splitlines() if line.startswith("| small_depthwise")]
     assert len(rows) == 1
     assert rows[0].split("|")[-2].strip() == "0.0e+00", rows
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_cuda_sass_reads_the_gemm_loop_of_both_register_blocks(tmp_path):
+    """``lab/cuda_sass.py`` builds a layer's kernels for sm_90 and reads their machine code:
+    the GEMM's hottest loop is mostly FFMA, with the default's 4 x 4 block and the wide one's
+    8 x 8 (16 and 64 accumulators: twice the multiply-adds per operand read from shared
+    memory)."""
+    import cuda_sass
+
+    try:
+        cuda_sass.find_cuobjdump(None)
+    except SystemExit:
+        pytest.skip("no cuobjdump")
+    rows = {}
+    for variant in ("default", "wide"):
+        out = tmp_path / f"{variant}.md"
+        argv = ["--workload", "r50dcn320_c4_256x20x20", "--variant", variant, "--out", str(out)]
+        assert cuda_sass.main(argv) == 0
+        rows[variant] = {
+            line.split("|")[2].strip(): [cell.strip() for cell in line.split("|")[3:-1]]
+            for line in out.read_text().splitlines()
+            if line.startswith("| r50dcn320")
+        }
+    per_operand = {}
+    for variant, kernels in rows.items():
+        gemm = kernels["deform_conv2d_kernel_1"]
+        ffma, share = int(gemm[2]), int(gemm[-1].rstrip("%"))
+        loads, vectors = (int(n) for n in gemm[3].replace("(", "").replace(")", "").split())
+        assert ffma >= 64 and share >= 50, (variant, gemm)
+        per_operand[variant] = ffma / (loads - vectors + 4 * vectors)  # 16-byte loads: 4
+    assert per_operand["wide"] >= 1.5 * per_operand["default"], per_operand
