@@ -22,8 +22,9 @@ call cut short keeps what was done; the exit code is non-zero if any step failed
 5. time: per workload and dtype, the median of CUDA-event timings of torchvision (where it has
    a kernel: not bfloat16), our default kernel (for any size) and tuned kernels (through their
    handles), the public ``deform_conv2d`` as users call it, the fused structure (the columns
-   sampled per output tile), the default's kernel for the layer's size alone, the
-   tensor-core schedule of float16 and bfloat16 layers it takes, and cuDNN's dense
+   sampled per output tile), the default's kernel for the layer's size alone, the wide tile
+   (``WideTileCUDA``, 8 x 8 register blocks) of float32 layers it takes, the tensor-core
+   schedule of float16 and bfloat16 layers it takes, and cuDNN's dense
    ``conv2d``; each row is written as it is timed, and ``OUT/gpu_results.md`` holds the table;
 6. backward: per workload in float32, the backward alone (every gradient) of the public op,
    of torchvision's and of cuDNN's dense ``conv2d``, medians of CUDA-event timings, our
@@ -74,6 +75,7 @@ from tvm_deform.tools.suite import load_suite
 FUSED = "fused (OnePassCUDA)"
 ONE_SIZE = "one size (static kernel)"
 TENSOR_CORES = "tensor cores (SampleOnceTensorCoreCUDA)"
+WIDE = "wide tile (WideTileCUDA)"
 #: our kernels that dispatch may run, timed through their handles: the speed-ups take the best
 KERNELS = ("tvm_deform default", "tvm_deform tuned")
 #: the label of the rows that time the public ``deform_conv2d``, as users call it (argument
@@ -206,7 +208,8 @@ def time_layers(
 ) -> list[dict]:
     """Per layer and dtype: torchvision, our kernel (default schedule, through its handle), the
     public op and dense conv2d, timed side by side on the same inputs (and on a GPU the fused
-    structure and the default's kernel for the layer's size alone; for half-precision layers
+    structure, the default's kernel for the layer's size alone and, in float32, the wide
+    tile's; for half-precision layers
     that tensor cores take, the tensor-core schedule), or with ``tuned`` our tuned kernel
     alone (where the logs have one); ``on_row`` gets each row as soon as it is timed.
     Errors are checked against torchvision in float32 on the upcast inputs (its CUDA kernel has
@@ -245,6 +248,10 @@ def time_layers(
                     )
                     variants[ONE_SIZE] = lambda typed=typed, args=args: _runner(
                         typed, _one_size_kernel(typed, target), args
+                    )
+                if times_wide_tile(typed, target):
+                    variants[WIDE] = lambda typed=typed, args=args: _runner(
+                        typed, _wide_tile_kernel(typed, target), args
                     )
                 if schedules.tensor_cores_take(typed, target):
                     variants[TENSOR_CORES] = lambda typed=typed, args=args: _runner(
@@ -309,6 +316,27 @@ def _one_size_kernel(shape: ConvShape, target) -> kernels.Kernel:
     return kernels.load_kernel(shape, target)
 
 
+def times_wide_tile(shape: ConvShape, target) -> bool:
+    """Whether the session times ``WideTileCUDA`` (8 x 8 register blocks) beside the default:
+    float32 layers on a GPU that it takes; the timing that tells whether it should be the
+    default (its kernel for this size alone, to compare with the default's, ``ONE_SIZE``)."""
+    from tvm_deform.schedules.cuda import WideTileCUDA
+
+    return (
+        compares_structures(target)
+        and shape.dtype == "float32"
+        and WideTileCUDA().apply(definition.forward(shape), target) is not None
+    )
+
+
+def _wide_tile_kernel(shape: ConvShape, target) -> kernels.Kernel:
+    from tvm_deform.schedules.cuda import WideTileCUDA
+
+    return kernels.load_scheduled(
+        shape, target, "wide-tile", lambda: WideTileCUDA().apply(definition.forward(shape), target)
+    )
+
+
 def _tensor_core_kernel(shape: ConvShape, target) -> kernels.Kernel:
     """The half-precision layer on tensor cores: the timing that tells whether they should be
     the default again."""
@@ -344,9 +372,9 @@ def markdown(rows: list[dict]) -> str:
     where an implementation has no time: torchvision in a dtype it lacks, or a failure)."""
     lines = [
         "| layer | dtype | torchvision ms | ours default ms | ours tuned ms | public op ms "
-        "| fused ms | one size ms | tensor cores ms | conv2d ms | speed-up (best) "
-        "| best / conv2d | error |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| fused ms | one size ms | wide tile ms | tensor cores ms | conv2d ms "
+        "| speed-up (best) | best / conv2d | error |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     grouped: dict[tuple[str, str], dict[str, dict]] = {}
     for row in rows:
@@ -360,7 +388,7 @@ def markdown(rows: list[dict]) -> str:
             f"| {layer} | {dtype} | {_ms(found, 'torchvision')} "
             f"| {_ms(found, 'tvm_deform default')} | {_ms(found, 'tvm_deform tuned')} "
             f"| {_ms(found, PUBLIC_OP)} | {_ms(found, FUSED)} | {_ms(found, ONE_SIZE)} "
-            f"| {_ms(found, TENSOR_CORES)} "
+            f"| {_ms(found, WIDE)} | {_ms(found, TENSOR_CORES)} "
             f"| {_ms(found, 'conv2d (dense)')} "
             f"| {_ratio(found, 'torchvision', best)} "
             f"| {_ratio(found, 'conv2d (dense)', best, inverse=True)} | {error} |"
@@ -818,8 +846,8 @@ def build_kernels(shapes: list[ConvShape], device: str, workers: int | None = No
 
 def _build_one(shape: ConvShape, device: str) -> None:
     """The default kernel of ``shape``, the other schedules :func:`time_layers` times beside
-    it (fused, one size, tensor cores) where they apply, and in float32 the backward kernels
-    that :func:`check_gradients` and :func:`time_backward` run."""
+    it (fused, one size, wide tile, tensor cores) where they apply, and in float32 the
+    backward kernels that :func:`check_gradients` and :func:`time_backward` run."""
     target = _target(device)
     kernels.get_kernel(shape, target, tuned=False)
     if shape.dtype == "float32":
@@ -827,6 +855,8 @@ def _build_one(shape: ConvShape, device: str) -> None:
     if compares_structures(target):
         _fused_kernel(shape, target)
         _one_size_kernel(shape, target)
+    if times_wide_tile(shape, target):
+        _wide_tile_kernel(shape, target)
     if schedules.tensor_cores_take(shape, target):
         _tensor_core_kernel(shape, target)
 

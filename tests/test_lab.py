@@ -179,6 +179,8 @@ def test_gpu_session_times_the_schedules_dispatch_does_not_pick(monkeypatch):
     monkeypatch.setattr(gpu_session, "_fused_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "_one_size_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "_tensor_core_kernel", cpu_kernel)
+    monkeypatch.setattr(gpu_session, "times_wide_tile", lambda shape, target: True)
+    monkeypatch.setattr(gpu_session, "_wide_tile_kernel", cpu_kernel)
     rows = gpu_session.time_layers({"seed": SUITE["seed"]}, "cpu", runs=3)
     by_name = {r["implementation"]: r for r in rows}
     assert by_name["tvm_deform default"]["split_parts"] == 4
@@ -187,15 +189,17 @@ def test_gpu_session_times_the_schedules_dispatch_does_not_pick(monkeypatch):
         (gpu_session.PUBLIC_OP, 6),
         (gpu_session.FUSED, 7),
         (gpu_session.ONE_SIZE, 8),
-        (gpu_session.TENSOR_CORES, 9),
+        (gpu_session.WIDE, 9),
+        (gpu_session.TENSOR_CORES, 10),
     )
     for label, column in columns:
         assert by_name[label]["median_ms"] > 0 and by_name[label]["error"] < 1e-6
         assert line.split("|")[column].strip() == f"{by_name[label]['median_ms']:.3f}"
-    assert [header.split("|")[c].strip() for c in (6, 7, 8, 9)] == [
+    assert [header.split("|")[c].strip() for c in (6, 7, 8, 9, 10)] == [
         "public op ms",
         "fused ms",
         "one size ms",
+        "wide tile ms",
         "tensor cores ms",
     ]
     ours = by_name["tvm_deform default"]["median_ms"]
@@ -212,7 +216,7 @@ def test_gpu_session_builds_the_extra_schedules_before_timing(monkeypatch):
     from tvm_deform.ir import definition
     from tvm_deform.runtime import kernels
 
-    def cpu_kernel(shape, target):  # stands for the fused, one-size and tensor-core kernels
+    def cpu_kernel(shape, target):  # stands for the fused, one-size, wide and tensor-core ones
         func = definition.forward(shape)
         return kernels.load_scheduled(
             shape, target, "extra", lambda: schedules.apply_default("forward", func, target)
@@ -224,6 +228,8 @@ def test_gpu_session_builds_the_extra_schedules_before_timing(monkeypatch):
     monkeypatch.setattr(gpu_session, "_fused_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "_one_size_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "_tensor_core_kernel", cpu_kernel)
+    monkeypatch.setattr(gpu_session, "times_wide_tile", lambda shape, target: True)
+    monkeypatch.setattr(gpu_session, "_wide_tile_kernel", cpu_kernel)
     kernels.clear_memory_cache()
     gpu_session._build_one(SUITE["seed"], "cpu")
     kernels.clear_memory_cache()  # the timing process finds them in the disk cache
@@ -234,7 +240,12 @@ def test_gpu_session_builds_the_extra_schedules_before_timing(monkeypatch):
     monkeypatch.setattr(tvm, "compile", no_compile)
     rows = gpu_session.time_layers({"seed": SUITE["seed"]}, "cpu", runs=3)
     by_name = {r["implementation"]: r for r in rows}
-    for label in ("tvm_deform default", gpu_session.FUSED, gpu_session.TENSOR_CORES):
+    for label in (
+        "tvm_deform default",
+        gpu_session.FUSED,
+        gpu_session.WIDE,
+        gpu_session.TENSOR_CORES,
+    ):
         assert by_name[label]["median_ms"] > 0 and by_name[label]["error"] < 1e-6, label
 
 
@@ -321,3 +332,16 @@ def test_cuda_sass_reads_the_gemm_loop_of_both_register_blocks(tmp_path):
         assert ffma >= 64 and share >= 50, (variant, gemm)
         per_operand[variant] = ffma / (loads - vectors + 4 * vectors)  # 16-byte loads: 4
     assert per_operand["wide"] >= 1.5 * per_operand["default"], per_operand
+
+
+def test_the_session_times_the_wide_tile_on_float32_gpu_layers_it_takes():
+    import dataclasses
+
+    from tvm_deform.runtime import targets
+
+    gpu, cpu = targets.cuda_target("sm_90", 132), targets.host_target()
+    demo = SUITE["demo_64x56x56"]
+    assert gpu_session.times_wide_tile(demo, gpu)
+    assert not gpu_session.times_wide_tile(dataclasses.replace(demo, dtype="float16"), gpu)
+    assert not gpu_session.times_wide_tile(SUITE["depthwise_128x56x56"], gpu)
+    assert not gpu_session.times_wide_tile(demo, cpu)
