@@ -150,7 +150,7 @@ def test_plain_calls_skip_the_dispatcher_with_the_same_result():
     x, offset, mask, layer = layer_inputs(torch.float32, batch=2)
     weight, bias = layer.weight.detach(), layer.bias.detach()
     args = (x, offset, weight, bias, mask)
-    assert ops._dispatcher_adds_nothing(args)
+    assert ops._eager_route(args) == "direct"
     direct = deform_conv2d(x, offset, weight, bias, (2, 1), (1, 0), (2, 1), mask)
     through = torch.ops.tvm_deform.deform_conv2d(*args, 2, 1, 1, 0, 2, 1)
     assert torch.equal(direct, through)
@@ -164,17 +164,19 @@ def test_calls_that_need_the_dispatcher_go_through_it():
 
     x, offset, mask, layer = layer_inputs(torch.float32, batch=2)
     args = (x, offset, layer.weight, layer.bias, mask)
-    # autograd must record the op
-    assert not ops._dispatcher_adds_nothing(args)
+    # autograd must record the op: the eager autograd path does, as the op would
+    assert ops._eager_route(args) == "autograd"
+    with torch.autograd.forward_ad.dual_level():
+        assert ops._eager_route(args) is None  # forward-mode AD goes through the op
     with torch.no_grad():
-        assert ops._dispatcher_adds_nothing(args)  # an nn.Parameter is a plain tensor
+        assert ops._eager_route(args) == "direct"  # an nn.Parameter is a plain tensor
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert not ops._dispatcher_adds_nothing(args)
+            assert ops._eager_route(args) is None
         with FakeTensorMode():
-            assert not ops._dispatcher_adds_nothing(args)
+            assert ops._eager_route(args) is None
         meta = tuple(t.to("meta") for t in args)
-        assert not ops._dispatcher_adds_nothing(meta)
-        in_vmap = torch.func.vmap(lambda t: torch.tensor(ops._dispatcher_adds_nothing((t,))))(x)
+        assert ops._eager_route(meta) is None
+        in_vmap = torch.func.vmap(lambda t: torch.tensor(ops._eager_route((t,)) is not None))(x)
         assert not in_vmap.any()
         with profile() as prof:
             deform_conv2d(x, offset, layer.weight, layer.bias, (2, 1), (1, 0), (2, 1), mask)
@@ -189,3 +191,41 @@ def test_calls_that_need_the_dispatcher_go_through_it():
         assert "tvm_deform::deform_conv2d" in str(traced.graph)
     out = deform_conv2d(x, offset, layer.weight, layer.bias, (2, 1), (1, 0), (2, 1), mask)
     assert out.grad_fn is not None
+
+
+@pytest.mark.parametrize("rule", ["torchvision", "mmcv"])
+def test_the_eager_autograd_path_gives_the_ops_numbers_and_gradients(rule):
+    """An eager call that autograd records skips the custom op's layers (``_EagerAutograd``):
+    the same output and the same bits of every gradient as through the op, only the
+    gradients asked for, none differentiable again."""
+    from tvm_deform.binding import ops
+    from tvm_deform.binding.ops import deform_conv2d_with_offset_grad_rule
+
+    x, offset, mask, layer = layer_inputs(torch.float32, batch=2)
+    # Offsets that put samples exactly at -1, where the two rules' offset gradients differ.
+    offset = offset.round().detach()
+    geometry = ((2, 1), (1, 0), (2, 1))
+    leaves = [t.detach().requires_grad_() for t in (x, offset, layer.weight, layer.bias, mask)]
+    eager = deform_conv2d_with_offset_grad_rule(*leaves[:4], *geometry, leaves[4], rule)
+    assert type(eager.grad_fn).__name__ == "_EagerAutogradBackward"
+    grad = torch.randn_like(eager)
+    eager_grads = torch.autograd.grad(eager, leaves, grad)
+    again = [t.detach().requires_grad_() for t in leaves]
+    flat = (2, 1, 1, 0, 2, 1)
+    through = torch.ops.tvm_deform.deform_conv2d(*again, *flat, rule)
+    assert type(through.grad_fn).__name__ != "_EagerAutogradBackward"
+    assert torch.equal(eager, through)
+    for ours, op in zip(eager_grads, torch.autograd.grad(through, again, grad), strict=True):
+        assert torch.equal(ours, op)
+    # Only what is asked for: a frozen weight and bias get no gradient.
+    frozen = [t.detach() for t in leaves]
+    frozen[0].requires_grad_()
+    out = deform_conv2d_with_offset_grad_rule(*frozen[:4], *geometry, frozen[4], rule)
+    out.backward(grad)
+    assert torch.equal(frozen[0].grad, eager_grads[0]) and frozen[2].grad is None
+    # Not differentiable twice, as through the op.
+    first = deform_conv2d_with_offset_grad_rule(*leaves[:4], *geometry, leaves[4], rule)
+    (input_grad,) = torch.autograd.grad(first, leaves[0], grad, create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(input_grad.sum(), leaves[2])
+    assert ops._eager_route(tuple(leaves)) == "autograd"

@@ -159,15 +159,18 @@ def _deform_conv2d_backward(
     """Gradients (input, offset, mask, weight, bias), those that ``output_mask`` (five bools in
     that order; None: all) asks for; an absent mask or bias, or a gradient not asked for, gets
     an empty tensor (custom ops cannot return None)."""
-    shape = _backward_shape(
-        grad_output,
-        input,
-        offset,
-        weight,
-        mask,
-        has_bias,
-        (stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, offset_grad_rule),
+    params = (stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, offset_grad_rule)
+    return _backward_gradients(
+        grad_output, input, offset, weight, mask, has_bias, params, output_mask
     )
+
+
+def _backward_gradients(
+    grad_output, input, offset, weight, mask, has_bias, params: tuple, output_mask
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward op's CPU/CUDA implementation; ``params``: the six geometry integers and
+    the offset gradient's rule."""
+    shape = _backward_shape(grad_output, input, offset, weight, mask, has_bias, params)
     if input.device.type not in ("cpu", "cuda"):
         raise NotImplementedError(
             f"tvm_deform.deform_conv2d has no backward kernels for {input.device.type} tensors "
@@ -284,23 +287,21 @@ def _prepare_backward(needs_input_grad, input, offset, weight, bias, mask, param
     background.prepare_backward(shape, device_target(input.device), gradients)
 
 
-def _backward(ctx, grad_output):
+def _backward(ctx, grad_output, direct: bool = False):
+    """The gradients of the forward's arguments: through the backward op, or ``direct``ly by
+    its implementation (the eager path of :class:`_EagerAutograd`)."""
     input, offset, weight, mask = ctx.saved_tensors
     # ctx.needs_input_grad follows the forward's arguments: input, offset, weight, bias, mask.
     needs_input, needs_offset, needs_weight, needs_bias, needs_mask = ctx.needs_input_grad[:5]
     output_mask = [needs_input, needs_offset, needs_mask, needs_weight, needs_bias]
-    grad_input, grad_offset, grad_mask, grad_weight, grad_bias = (
-        torch.ops.tvm_deform.deform_conv2d_backward(
-            grad_output,
-            input,
-            offset,
-            weight,
-            mask,
-            ctx.has_bias,
-            *ctx.params,
-            output_mask=output_mask,
+    arguments = (grad_output, input, offset, weight, mask, ctx.has_bias)
+    if direct:
+        grads = _backward_gradients(*arguments, tuple(ctx.params), output_mask)
+    else:
+        grads = torch.ops.tvm_deform.deform_conv2d_backward(
+            *arguments, *ctx.params, output_mask=output_mask
         )
-    )
+    grad_input, grad_offset, grad_mask, grad_weight, grad_bias = grads
     return (
         grad_input if needs_input else None,
         grad_offset if needs_offset else None,
@@ -312,6 +313,26 @@ def _backward(ctx, grad_output):
 
 
 _deform_conv2d.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAutograd(torch.autograd.Function):
+    """The op's forward and autograd as the custom op runs them (the same implementation,
+    context and gradients), for an eager call on plain tensors that autograd records and
+    nothing else watches (see :func:`_eager_route`): without the custom op's layers of
+    Python, which cost about 80 us a forward (a tiny layer's whole time, and host time on a
+    GPU). Its backward computes the gradients directly; they cannot be differentiated again,
+    as the backward op has no autograd either."""
+
+    @staticmethod
+    def forward(ctx, input, offset, weight, bias, mask, geometry, rule):
+        output = _forward(input, offset, weight, bias, mask, *geometry, offset_grad_rule=rule)
+        _setup_context(ctx, (input, offset, weight, bias, mask, *geometry, rule), output)
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        return (*_backward(ctx, grad_output, direct=True)[:5], None, None)
 
 
 def _autocast_rule(device_type: str):
@@ -453,8 +474,11 @@ def _checked_call(
         # compiled than the same model NCHW, copying 45 MB of weights a forward).
         weight = weight.contiguous()
         tensors = (input, offset, weight, bias, mask)
-    if _dispatcher_adds_nothing(tensors):
+    route = _eager_route(tensors)
+    if route == "direct":
         return _forward(*tensors, *geometry, offset_grad_rule=offset_grad_rule)
+    if route == "autograd":
+        return _EagerAutograd.apply(*tensors, geometry, offset_grad_rule)
     return torch.ops.tvm_deform.deform_conv2d(*tensors, *geometry, offset_grad_rule)
 
 
@@ -462,24 +486,22 @@ def _checked_call(
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def _dispatcher_adds_nothing(tensors: tuple) -> bool:
-    """Whether torch's dispatcher would do nothing for this call but run the op's CPU/CUDA
-    implementation, which the call then runs directly. Going through the custom op's Python
-    layers costs about 8 us a call (measured on a 2-core Zen 5: a quarter of a tiny layer's
-    time; 13 such calls are about 0.1% of an eager R50-DCNv2 forward). It is so for plain CPU or
-    CUDA tensors when autograd records nothing, autocast is off, and nothing watches or
-    transforms ops: no torch.compile or jit tracing, no function or dispatch mode (fake
-    tensors), no functorch transform (vmap, grad), no profiler (which should see the op)."""
+def _eager_route(tensors: tuple) -> str | None:
+    """How an eager call may skip torch's dispatcher, whose custom-op layers of Python cost
+    about 8 us a call without autograd (measured on a 2-core Zen 5: a quarter of a tiny
+    layer's time) and about 80 us with it (2-core Zen 4): "direct" when the dispatcher would
+    do nothing but run the op's CPU/CUDA implementation (autograd records nothing), which the
+    call then runs; "autograd" when it would only add the op's autograd, which
+    :class:`_EagerAutograd` adds the same way; None otherwise, through the op. Either holds
+    for plain CPU or CUDA tensors when autocast is off and nothing watches or transforms ops:
+    no torch.compile or jit tracing, no function or dispatch mode (fake tensors), no functorch
+    transform (vmap, grad), no forward-mode AD, no profiler (which should see the op)."""
     input = tensors[0]
     if type(input) not in _PLAIN_TENSORS or input.device.type not in ("cpu", "cuda"):
-        return False
-    grad = torch.is_grad_enabled()
-    for tensor in tensors:
-        if tensor is not None and (
-            type(tensor) not in _PLAIN_TENSORS or (grad and tensor.requires_grad)
-        ):
-            return False
-    return not (
+        return None
+    if any(t is not None and type(t) not in _PLAIN_TENSORS for t in tensors):
+        return None
+    if (
         torch.is_autocast_enabled(input.device.type)
         or torch.compiler.is_compiling()
         or torch._C._get_tracing_state() is not None
@@ -487,7 +509,11 @@ def _dispatcher_adds_nothing(tensors: tuple) -> bool:
         or torch._C._len_torch_dispatch_stack() > 0
         or torch._C._functorch.peek_interpreter_stack() is not None
         or torch.autograd.profiler._is_profiler_enabled
-    )
+    ):
+        return None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return None if torch.autograd.forward_ad._current_level >= 0 else "autograd"
+    return "direct"
 
 
 def deform_conv2d_with_offset_grad_rule(
