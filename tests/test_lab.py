@@ -345,3 +345,11 @@ def test_the_session_times_the_wide_tile_on_float32_gpu_layers_it_takes():
     assert not gpu_session.times_wide_tile(dataclasses.replace(demo, dtype="float16"), gpu)
     assert not gpu_session.times_wide_tile(SUITE["depthwise_128x56x56"], gpu)
     assert not gpu_session.times_wide_tile(demo, cpu)
+
+
+def test_per_call_times_every_route(capsys):
+    import per_call
+
+    assert per_call.main(["--rounds", "1", "--calls", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert len(rows) == 9 and all(float(row.split("|")[2]) > 0 for row in rows[1:])
