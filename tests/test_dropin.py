@@ -223,9 +223,16 @@ def test_the_eager_autograd_path_gives_the_ops_numbers_and_gradients(rule):
     out = deform_conv2d_with_offset_grad_rule(*frozen[:4], *geometry, frozen[4], rule)
     out.backward(grad)
     assert torch.equal(frozen[0].grad, eager_grads[0]) and frozen[2].grad is None
-    # Not differentiable twice, as through the op.
+    # Not differentiable twice, as through the op: with create_graph the gradients carry the
+    # backward op's node, which raises, not silently nothing (a zero second derivative).
     first = deform_conv2d_with_offset_grad_rule(*leaves[:4], *geometry, leaves[4], rule)
     (input_grad,) = torch.autograd.grad(first, leaves[0], grad, create_graph=True)
-    with pytest.raises(RuntimeError):
-        torch.autograd.grad(input_grad.sum(), leaves[2])
+    assert input_grad.requires_grad
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        torch.autograd.grad(input_grad.pow(2).sum(), leaves[2])
     assert ops._eager_route(tuple(leaves)) == "autograd"
+    # Inside another op's implementation (below autograd) nothing is recorded, as through it.
+    with torch._C._AutoDispatchBelowAutograd():
+        assert ops._eager_route(tuple(leaves)) == "direct"
+        inner = deform_conv2d_with_offset_grad_rule(*leaves[:4], *geometry, leaves[4], rule)
+        assert inner.grad_fn is None and torch.equal(inner, eager)

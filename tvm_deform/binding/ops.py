@@ -320,8 +320,10 @@ class _EagerAutograd(torch.autograd.Function):
     context and gradients), for an eager call on plain tensors that autograd records and
     nothing else watches (see :func:`_eager_route`): without the custom op's layers of
     Python, which cost about 80 us a forward (a tiny layer's whole time, and host time on a
-    GPU). Its backward computes the gradients directly; they cannot be differentiated again,
-    as the backward op has no autograd either."""
+    GPU). Its backward computes the gradients directly where nothing records or watches it;
+    otherwise (``create_graph``, compiled autograd, the profiler) it calls the backward op,
+    as the custom op's autograd does, so that differentiating the gradients again raises
+    (the backward op has no autograd) instead of treating them as constants."""
 
     @staticmethod
     def forward(ctx, input, offset, weight, bias, mask, geometry, rule):
@@ -330,9 +332,13 @@ class _EagerAutograd(torch.autograd.Function):
         return output
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        return (*_backward(ctx, grad_output, direct=True)[:5], None, None)
+        direct = not (
+            torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+            or torch.autograd.profiler._is_profiler_enabled
+        )
+        return (*_backward(ctx, grad_output, direct=direct)[:5], None, None)
 
 
 def _autocast_rule(device_type: str):
@@ -511,7 +517,11 @@ def _eager_route(tensors: tuple) -> str | None:
         or torch.autograd.profiler._is_profiler_enabled
     ):
         return None
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    below_autograd = torch._C._dispatch_tls_local_exclude_set().has(
+        torch._C.DispatchKey.AutogradFunctionality
+    )  # inside another op's implementation, where autograd records nothing either
+    records = torch.is_grad_enabled() and not below_autograd
+    if records and any(t is not None and t.requires_grad for t in tensors):
         return None if torch.autograd.forward_ad._current_level >= 0 else "autograd"
     return "direct"
 

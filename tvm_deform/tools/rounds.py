@@ -226,7 +226,7 @@ def propose(
             cost_model=model,
         )
         seeds = _seeds(context, shape, target, op, work_dir / key)
-        searched = _new(strategy.generate_measure_candidates() or [], [db], shape, op)
+        searched = _new(strategy.generate_measure_candidates() or [], db, shape, op)
         strategy.post_tuning()
         known = {tvm_ffi.structural_hash(seed.candidate.sch.mod) for seed in seeds}
         searched = [c for c in searched if tvm_ffi.structural_hash(c.sch.mod) not in known]
@@ -281,32 +281,37 @@ def _seeds(
         sch = space.copy()
         if all(postproc.apply(sch) for postproc in context.space_generator.postprocs):
             found.append((SPACE, name, sch))
-    seeds, seen = [], set()
+    # Measured in either database: a rule's own schedule may be the default's.
+    seen = set().union(*(_measured(database(key_dir / s), shape, op) for s in SPACES))
+    seeds = []
     for space, name, sch in found:
-        candidate = ms.MeasureCandidate(sch, ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"]))
-        if _new([candidate], [database(key_dir / space)], shape, op, seen):
+        key = tvm_ffi.structural_hash(sch.mod)
+        if key not in seen:
+            seen.add(key)
+            candidate = ms.MeasureCandidate(
+                sch, ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"])
+            )
             seeds.append(Seed(space, name, candidate))
     return seeds
 
 
-def _new(
-    candidates: list,
-    dbs: list[ms.database.Database],
-    shape: ConvShape,
-    op: str,
-    seen: set | None = None,
-) -> list:
-    """``candidates`` less those already in one of ``dbs``, in ``seen`` (structural hashes of
-    their modules, to which those kept are added) or twice in the list (the search proposes a
-    measured one again once a small space has few left)."""
+def _measured(db: ms.database.Database, shape: ConvShape, op: str) -> set:
+    """The structural hashes of the scheduled modules ``db`` holds records of for ``shape``'s
+    ``op``."""
     mod = workload_module(shape, op)
-    seen = set() if seen is None else seen
-    for db in dbs:
-        if not db.has_workload(mod):
-            continue
-        for record in db.get_all_tuning_records():
-            if tvm_ffi.structural_equal(record.workload.mod, mod):
-                seen.add(tvm_ffi.structural_hash(record.as_measure_candidate().sch.mod))
+    if not db.has_workload(mod):
+        return set()
+    return {
+        tvm_ffi.structural_hash(record.as_measure_candidate().sch.mod)
+        for record in db.get_all_tuning_records()
+        if tvm_ffi.structural_equal(record.workload.mod, mod)
+    }
+
+
+def _new(candidates: list, db: ms.database.Database, shape: ConvShape, op: str) -> list:
+    """``candidates`` less those already in ``db`` or twice in the list (the search proposes
+    a measured one again once a small space has few left)."""
+    seen = _measured(db, shape, op)
     fresh = []
     for candidate in candidates:
         key = tvm_ffi.structural_hash(candidate.sch.mod)
@@ -447,7 +452,7 @@ def ingest(
         shape, op = ConvShape(**workload["shape"]), workload.get("op", "forward")
         mod = workload_module(shape, op)
         context = _context(shape, target, 0, op)
-        committed = {space: db.commit_workload(mod) for space, db in dbs.items()}
+        committed: dict = {}  # the workload in each database a time goes to
         candidates, results, best, failed = [], [], None, 0
         for entry in workload["candidates"]:
             secs = times.get((name, entry["id"]))
@@ -462,6 +467,8 @@ def ingest(
             run_secs = [tvm.runtime.convert(float(s)) for s in secs]
             results.append(ms.runner.RunnerResult(run_secs, None))
             space = entry.get("space", SPACE)
+            if space not in committed:
+                committed[space] = dbs[space].commit_workload(mod)
             dbs[space].commit_tuning_record(
                 ms.database.TuningRecord(
                     candidate.sch.trace, committed[space], run_secs, target, candidate.args_info
