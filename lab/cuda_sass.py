@@ -4,7 +4,7 @@ schedule variant), built by nvcc for ``--arch`` and disassembled with ``cuobjdum
 
 Per kernel it reports ptxas's registers and shared memory, and the instruction mix of its
 hottest loop (the innermost loop holding the most ``FFMA``): multiply-adds, shared and global
-loads and stores (``.128`` marks 16-byte vector accesses), barriers, and the share of the loop's
+loads and stores (in parentheses, those of 8 or 16 bytes), barriers, and the share of the loop's
 instructions that are multiply-adds, an upper bound on how busy it keeps the FMA pipes (each
 SM issues one instruction per scheduler and cycle). A static view: it says nothing of latency,
 occupancy's effect or memory traffic, which only a GPU run measures.
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         f"`lab/cuda_sass.py --arch {args.arch} --variant {args.variant}`: the hottest loop of "
         "each kernel (FFMA share: multiply-adds over all its instructions)",
         "",
-        "| layer | kernel | registers | shared bytes | loop: FFMA | LDS (.128) | LDG (vector) "
+        "| layer | kernel | registers | shared bytes | loop: FFMA | LDS (vector) | LDG (vector) "
         "| STS (vector) | BAR | all | FFMA share |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
