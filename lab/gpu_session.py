@@ -210,12 +210,11 @@ def time_layers(
     """Per layer and dtype: torchvision, our kernel (default schedule, through its handle), the
     public op and dense conv2d, timed side by side on the same inputs (and on a GPU the fused
     structure, the default's kernel for the layer's size alone and, in float32, the wide
-    tile's; for half-precision layers
-    that tensor cores take, the tensor-core schedule), or with ``tuned`` our tuned kernel
-    alone (where the logs have one); ``on_row`` gets each row as soon as it is timed.
-    Errors are checked against torchvision in float32 on the upcast inputs (its CUDA kernel has
-    no bfloat16). An implementation that fails (torchvision in a dtype it lacks) gets a row
-    with its error instead of a time; the others still run."""
+    tile's; for half-precision layers that tensor cores take, the tensor-core schedule), or
+    with ``tuned`` our tuned kernel alone (where the logs have one); ``on_row`` gets each row
+    as soon as it is timed. Errors are checked against torchvision in float32 on the upcast
+    inputs (its CUDA kernel has no bfloat16). An implementation that fails (torchvision in a
+    dtype it lacks) gets a row with its error instead of a time; the others still run."""
     import torchvision.ops
 
     target = _target(device)

@@ -577,13 +577,17 @@ class SampleOnceCUDA(SplitReductionCUDA):
         TVM bounds the staged columns of a tile by its channels' groups (``o // per_group``),
         without the predicate of a ragged last tile: a tile of 32 over 24 channels staged the
         columns of two groups, every channel of an ungrouped layer."""
-        conv = sch.get(sch.get_sblock("conv"))
-        outputs = int(conv.iter_vars[1].dom.extent)
-        weight_in = int(conv.iter_vars[3].dom.extent)
-        channels = int(sch.get(sch.get_sblock("columns")).writes[0].source.shape[1])
-        per_group, tile = outputs // (channels // weight_in), threads_o * regs_o
+        per_group, tile = outputs_per_group(sch), threads_o * regs_o
         aligned = per_group % tile == 0 or tile % per_group == 0
         return aligned and super().fits(sch, threads_o, regs_o, budget)
+
+
+def outputs_per_group(sch: s_tir.Schedule) -> int:
+    """The output channels of a weight group of the unscheduled forward PrimFunc in ``sch``."""
+    conv = sch.get(sch.get_sblock("conv"))
+    outputs, weight_in = int(conv.iter_vars[1].dom.extent), int(conv.iter_vars[3].dom.extent)
+    channels = int(sch.get(sch.get_sblock("columns")).writes[0].source.shape[1])
+    return outputs // (channels // weight_in)
 
 
 class WideTileCUDA(SampleOnceCUDA):
@@ -592,9 +596,9 @@ class WideTileCUDA(SampleOnceCUDA):
     of 128 output channels by 64 pixels (8 x 8 threads, 64 channels, where a group has fewer
     than 128). Per step of the reduction a thread multiplies 64 times for 16 operands read
     from shared memory, where the default's 4 x 4 block multiplies 16 times for 8; it has a
-    quarter of the default's thread blocks and a quarter of its threads' warps to hide
-    latency with. Not a default rule (no GPU has timed it): a design space, whose schedule as
-    generated each tuning round measures beside the default's."""
+    quarter of the default's thread blocks (half, with 64-channel tiles) and a quarter of its
+    warps to hide latency with. Not a default rule (no GPU has timed it): a design space, whose
+    schedule as generated each first tuning round measures beside the default's."""
 
     default = False
     threads_p, regs_p = 8, 8
@@ -602,11 +606,8 @@ class WideTileCUDA(SampleOnceCUDA):
 
     def fits(self, sch: s_tir.Schedule, threads_o: int, regs_o: int, budget: int) -> bool:
         """Also: the output tile holds no more channels than a group has."""
-        conv = sch.get(sch.get_sblock("conv"))
-        outputs, weight_in = int(conv.iter_vars[1].dom.extent), int(conv.iter_vars[3].dom.extent)
-        channels = int(sch.get(sch.get_sblock("columns")).writes[0].source.shape[1])
-        per_group = outputs // (channels // weight_in)
-        return threads_o * regs_o <= per_group and super().fits(sch, threads_o, regs_o, budget)
+        tile = threads_o * regs_o
+        return tile <= outputs_per_group(sch) and super().fits(sch, threads_o, regs_o, budget)
 
     def apply(
         self, func: tirx.PrimFunc, target: Target, tunable: bool = False

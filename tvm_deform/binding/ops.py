@@ -319,11 +319,11 @@ class _EagerAutograd(torch.autograd.Function):
     """The op's forward and autograd as the custom op runs them (the same implementation,
     context and gradients), for an eager call on plain tensors that autograd records and
     nothing else watches (see :func:`_eager_route`): without the custom op's layers of
-    Python, which cost about 80 us a forward (a tiny layer's whole time, and host time on a
-    GPU). Its backward computes the gradients directly where nothing records or watches it;
-    otherwise (``create_graph``, compiled autograd, the profiler) it calls the backward op,
-    as the custom op's autograd does, so that differentiating the gradients again raises
-    (the backward op has no autograd) instead of treating them as constants."""
+    Python, about 50 us a forward (a tiny layer's whole time, and host time on a GPU). Its
+    backward computes the gradients directly where nothing records or watches it; otherwise
+    (``create_graph``, compiled autograd, the profiler) it calls the backward op, as the
+    custom op's autograd does, so that differentiating the gradients again raises (the
+    backward op has no autograd) instead of treating them as constants."""
 
     @staticmethod
     def forward(ctx, input, offset, weight, bias, mask, geometry, rule):
@@ -495,7 +495,8 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 def _eager_route(tensors: tuple) -> str | None:
     """How an eager call may skip torch's dispatcher, whose custom-op layers of Python cost
     about 8 us a call without autograd (measured on a 2-core Zen 5: a quarter of a tiny
-    layer's time) and about 80 us with it (2-core Zen 4): "direct" when the dispatcher would
+    layer's time) and about 50 us with it (92 against 42 us a forward of the seed layer on a
+    2-core Zen 4, ``lab/per_call.py``): "direct" when the dispatcher would
     do nothing but run the op's CPU/CUDA implementation (autograd records nothing), which the
     call then runs; "autograd" when it would only add the op's autograd, which
     :class:`_EagerAutograd` adds the same way; None otherwise, through the op. Either holds

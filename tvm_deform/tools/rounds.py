@@ -225,11 +225,12 @@ def propose(
             database=db,
             cost_model=model,
         )
-        seeds = _seeds(context, shape, target, op, work_dir / key)
-        searched = _new(strategy.generate_measure_candidates() or [], db, shape, op)
+        # Measured in either database (a rule's own schedule may be the default's), then the
+        # seeds: the search's candidates are new to both.
+        seen = set().union(*(_measured(database(work_dir / key / s), shape, op) for s in SPACES))
+        seeds = _seeds(context, shape, target, op, seen)
+        searched = _new(strategy.generate_measure_candidates() or [], seen)
         strategy.post_tuning()
-        known = {tvm_ffi.structural_hash(seed.candidate.sch.mod) for seed in seeds}
-        searched = [c for c in searched if tvm_ffi.structural_hash(c.sch.mod) not in known]
         searched = searched[: max(0, count - len(seeds))]
         candidates = [seed.candidate for seed in seeds] + searched
         scores = list(model.predict(context, candidates)) if trained and candidates else []
@@ -270,27 +271,22 @@ class Seed:
 
 
 def _seeds(
-    context: ms.TuneContext, shape: ConvShape, target: Target, op: str, key_dir: Path
+    context: ms.TuneContext, shape: ConvShape, target: Target, op: str, seen: set
 ) -> list[Seed]:
-    """The round's seeds, those not measured yet: the default schedule (space ``default``:
-    its time is what a tuned record must beat to be run, see ``records.tuned_gain``), and
-    each design space as its rule generates it (the rule's own tile sizes, the starting points
-    a person chose; MetaSchedule's first search samples at random)."""
+    """The round's seeds whose modules' structural hashes are not in ``seen`` (to which they
+    are added): the default schedule (space ``default``: its time is what a tuned record must
+    beat to be run, see ``records.tuned_gain``), and each design space as its rule generates
+    it (the rule's own tile sizes, the starting points a person chose; MetaSchedule's first
+    search samples at random)."""
     found = [(DEFAULT_SPACE, "default", kernels.default_schedule(shape, target, op))]
     for name, space in named_design_spaces(op, context.mod["main"], target):
         sch = space.copy()
         if all(postproc.apply(sch) for postproc in context.space_generator.postprocs):
             found.append((SPACE, name, sch))
-    # Measured in either database: a rule's own schedule may be the default's.
-    seen = set().union(*(_measured(database(key_dir / s), shape, op) for s in SPACES))
     seeds = []
     for space, name, sch in found:
-        key = tvm_ffi.structural_hash(sch.mod)
-        if key not in seen:
-            seen.add(key)
-            candidate = ms.MeasureCandidate(
-                sch, ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"])
-            )
+        candidate = ms.MeasureCandidate(sch, ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"]))
+        if _new([candidate], seen):
             seeds.append(Seed(space, name, candidate))
     return seeds
 
@@ -308,10 +304,10 @@ def _measured(db: ms.database.Database, shape: ConvShape, op: str) -> set:
     }
 
 
-def _new(candidates: list, db: ms.database.Database, shape: ConvShape, op: str) -> list:
-    """``candidates`` less those already in ``db`` or twice in the list (the search proposes
-    a measured one again once a small space has few left)."""
-    seen = _measured(db, shape, op)
+def _new(candidates: list, seen: set) -> list:
+    """``candidates`` whose modules' structural hashes are not in ``seen`` (measured ones, or
+    earlier in the round: the search proposes a measured one again once a small space has
+    few left); those kept are added to it."""
     fresh = []
     for candidate in candidates:
         key = tvm_ffi.structural_hash(candidate.sch.mod)
