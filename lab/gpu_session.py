@@ -1,8 +1,8 @@
 """One GPU session in one call (tools layer): check, build, time, time a tuning round, write
 results.
 
-Run on a machine with an NVIDIA GPU, offline, by ``lab/gpu_session.sh`` (which installs TVM
-from wheels brought along), or directly where TVM is installed::
+Run on a machine with an NVIDIA GPU, offline, by ``lab/gpu_session.sh`` (which unpacks TVM
+from the parts ``lab/pack_gpu_wheels.sh`` made), or directly where TVM is installed::
 
     python lab/gpu_session.py --out OUT [--model] [--round ROUND_DIR] [--round-seconds 180]
 
@@ -36,8 +36,8 @@ call cut short keeps what was done; the exit code is non-zero if any step failed
    tune-round``) timed with ``lab/time_round.py`` within ``--round-seconds``, into
    ``OUT/round_results.jsonl`` for ``tvm-deform tune-ingest``;
 10. tune (``--trials``): MetaSchedule's online tuning here, in the generic CUDA space, within
-    ``--tune-seconds`` (needs TVM's builder on this machine; the rounds are the way that fits
-    a short GPU window).
+    ``--tune-seconds`` (needs TVM's builder and xgboost on this machine; the rounds are the
+    way that fits a short GPU window).
 
 A step that would start after ``--deadline`` seconds is skipped (recorded as such), so that the
 call ends before the machine's limit on one command (``--call-limit``). The same functions run

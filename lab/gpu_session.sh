@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
 # The second device call of a GPU session (CONTRIBUTING.md, "Running on a GPU"), run in the repository
-# root on the GPU machine: join the wheel parts (the first one stashed by the first call, in
-# .gpu-stash/ and in /tmp/gpu-stash/, the second carried now in .gpu/), install TVM and this
-# package into /tmp/site without network, then build, check, time and tune with
-# python lab/gpu_session.py.
-#   bash lab/gpu_session.sh OUT_DIR [gpu_session options, e.g. --trials 32]
+# root on the GPU machine: join the two parts of TVM's packed install (lab/pack_gpu_wheels.sh;
+# the first stashed by the first call, in .gpu-stash/ and in /tmp/gpu-stash/, the second
+# carried now in .gpu/), unpack it into /tmp/site, install this package there without network,
+# then build, check, time and tune with python lab/gpu_session.py.
+#   bash lab/gpu_session.sh OUT_DIR [gpu_session options, e.g. --round work/round1]
 set -euo pipefail
 out=${1:?usage: lab/gpu_session.sh OUT_DIR [options]}
 shift
-mkdir -p /tmp/wheels "$out"
+mkdir -p /tmp/site "$out"
 out=$(cd "$out" && pwd)
 repo=$(pwd)
-find .gpu .gpu-stash /tmp/gpu-stash -name 'wheels.tar.part-*' 2>/dev/null \
-    | awk -F/ '{print $NF, $0}' | sort -u -k1,1 | cut -d' ' -f2 | xargs cat \
-    | tar -x -C /tmp/wheels
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site /tmp/wheels/*.whl
+parts=$(find .gpu .gpu-stash /tmp/gpu-stash -name 'site.tar.xz.part-*' 2>/dev/null \
+    | awk -F/ '{print $NF, $0}' | sort -u -k1,1 | cut -d' ' -f2)
+if (($(wc -l <<<"$parts") != 2)); then
+    echo "expected the two parts of site.tar.xz (the first call stashes one), found: $parts"
+    exit 1
+fi
+# Python's tarfile, not xz(1), which a bare image may lack.
+xargs cat <<<"$parts" | python3 -c '
+import sys, tarfile
+with tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz") as packed:
+    packed.extractall("/tmp/site", **({"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}))
+'
 export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade \
     --target /tmp/site .

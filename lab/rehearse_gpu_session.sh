@@ -1,27 +1,27 @@
 #!/usr/bin/env bash
-# Rehearse a GPU session's two device calls here, on the CPU, with the same scripts: pack the
-# wheel parts (for this machine's Python), run the first call's command (lab/gpu_stash.sh)
-# with the first part in .gpu/, then the second call's (lab/gpu_session.sh) with the second
-# part there and the session on the CPU (--device cpu --quick). Runs in a clone of the
-# repository (its committed tree, as a device call carries it) in a scratch directory, with
-# this checkout's .venv first on PATH (torch comes from there, as from the GPU image there).
+# Rehearse a GPU session's two device calls here, on the CPU, with the same scripts: pack TVM's
+# install in two parts (for this machine's Python), run the first call's command
+# (lab/gpu_stash.sh) with the first part in .gpu/, then the second call's (lab/gpu_session.sh)
+# with the second part there and the session on the CPU (--device cpu --quick). Runs in a
+# clone of the repository (its committed tree, as a device call carries it) in a scratch
+# directory, with this checkout's .venv first on PATH (torch comes from there, as from the GPU
+# image there).
 #   bash lab/rehearse_gpu_session.sh [OUT_DIR]
 set -euo pipefail
 root=$(pwd)
 work=$(mktemp -d)
 out=${1:-$work/out}
-trap 'rm -rf "$work/repo" /tmp/site /tmp/wheels /tmp/gpu-stash' EXIT
+trap 'rm -rf "$work/repo" /tmp/site /tmp/gpu-stash' EXIT
 git clone -q "$root" "$work/repo"
 cd "$work/repo"
 export PATH="$root/.venv/bin:$PATH"
 version=$(python3 -c 'import sys; print(f"{sys.version_info.major}.{sys.version_info.minor}")')
-xgboost=$(python3 -c 'import xgboost; print(xgboost.__version__)')
-bash lab/pack_gpu_wheels.sh "$version" "$xgboost"
-parts=(.gpu/wheels.tar.part-*)
-if ((${#parts[@]} != 2)); then echo "expected two wheel parts, got ${#parts[@]}"; exit 1; fi
+bash lab/pack_gpu_wheels.sh "$version"
+parts=(.gpu/site.tar.xz.part-*)
+if ((${#parts[@]} != 2)); then echo "expected two parts, got ${#parts[@]}"; exit 1; fi
 mkdir -p "$work/later"
 mv "${parts[1]}" "$work/later/"
-rm -rf /tmp/site /tmp/wheels /tmp/gpu-stash
+rm -rf /tmp/site /tmp/gpu-stash
 bash lab/gpu_stash.sh
 mv "$work/later/$(basename "${parts[1]}")" .gpu/
 bash lab/gpu_session.sh "$out" --device cpu --quick --checks 2
@@ -32,6 +32,6 @@ failed = [step for step, entry in results.items() if isinstance(entry, dict) and
 paths = results["environment"]["value"]
 installed = all(paths[k].startswith("/tmp/site/") for k in ("tvm_path", "tvm_deform_path"))
 print("rehearsal:", "steps failed: " + ", ".join(failed) if failed else "every step passed")
-print("packages imported from the wheels' install in /tmp/site:", installed, paths)
+print("packages imported from the install in /tmp/site:", installed, paths)
 sys.exit(1 if failed or not installed else 0)
 PY

@@ -5,6 +5,7 @@ fits), and the schedule A/B's."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -250,15 +251,28 @@ def test_gpu_session_builds_the_extra_schedules_before_timing(monkeypatch):
 
 
 def test_every_device_call_fits(tmp_path):
-    # What a GPU session carries: the working tree in every call, one wheel part per call.
+    # What a GPU session carries: the working tree in every call, one part of TVM's packed
+    # install per call, and a round of tuning candidates beside it.
     root = Path(__file__).resolve().parent.parent
     script = ["bash", str(root / "lab" / "check_carry_sizes.sh")]
     assert subprocess.run(script, capture_output=True, cwd=root).returncode == 0
-    part = tmp_path / "wheels.tar.part-aa"
-    with open(part, "wb") as file:
-        file.truncate(57 * 1024 * 1024)
-    result = subprocess.run([*script, str(part)], capture_output=True, text=True, cwd=root)
-    assert result.returncode == 1 and "at most 56 MiB" in result.stdout
+
+    def part(mib: int) -> str:
+        path = tmp_path / f"site.tar.xz.part-{mib}"
+        with open(path, "wb") as file:
+            file.truncate(mib * 1024 * 1024)
+        return str(path)
+
+    result = subprocess.run([*script, part(41)], capture_output=True, text=True, cwd=root)
+    assert result.returncode == 1 and "a part may carry at most 40 MiB" in result.stdout
+    round_dir = tmp_path / "round"
+    round_dir.mkdir()
+    (round_dir / "candidates.bin").write_bytes(bytes(22 * 1024 * 1024))
+    run = {"cwd": root, "capture_output": True, "text": True}
+    assert subprocess.run([*script, part(34)], **run).returncode == 0
+    env = {**os.environ, "ROUND": str(round_dir)}
+    with_round = subprocess.run([*script, part(38)], env=env, **run)
+    assert with_round.returncode == 1 and "a call may carry at most 60 MiB" in with_round.stdout
 
 
 def test_schedule_ab_compares_a_commits_functions_call_by_call():
