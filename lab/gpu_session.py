@@ -577,11 +577,13 @@ def time_round(round_dir: Path, out: Path, seconds: float) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import time_round as script
 
-    script.main([str(round_dir), "--out", str(out), "--deadline", str(max(0.0, seconds))])
+    status = script.main([str(round_dir), "--out", str(out), "--deadline", str(max(0.0, seconds))])
     lines = [json.loads(x) for x in out.read_text().splitlines() if x.strip()]
     return {
         "timed": sum("run_secs" in x for x in lines),
         "failed": sum("error" in x for x in lines),
+        # A candidate broke the CUDA context: the rest are left for lab/time_round.py.
+        "context_lost": status == script.CONTEXT_LOST,
         "results": str(out),
     }
 

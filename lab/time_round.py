@@ -11,7 +11,10 @@ candidate's shared library through TVM's runtime. One JSON line per candidate is
 ``--out`` as soon as it is timed (``run_secs``: seconds per call of each repeat) or has failed
 (``error``: a load or launch error, or an output that differs from torchvision's); a candidate
 that would start after ``--deadline`` seconds is left untimed, and the script says how many.
-Candidates already in ``--out`` are skipped, so that a call cut short can be run again.
+Candidates already in ``--out`` are skipped, so that a call cut short can be run again. A
+CUDA candidate that leaves the GPU's context unusable (an illegal address, say: every later
+CUDA call would fail) is recorded with its error and the script starts itself again in a fresh
+process, which goes on with the next candidate within the same deadline.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -35,6 +39,13 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "int32": torch.int32,
 }
+
+
+#: main's exit status when a candidate left the CUDA context unusable (the script then starts
+#: itself again)
+CONTEXT_LOST = 3
+#: the environment variable that carries the first start's time (``time.time()``) to a restart
+STARTED = "TIME_ROUND_STARTED"
 
 
 #: the PrimFunc parameters that are inputs (random); every other one is an output or a
@@ -201,6 +212,17 @@ def time_candidate(candidate, min_ms: float, repeats: int) -> list[float]:
     return [candidate.seconds(number) for _ in range(repeats)]
 
 
+def context_lost(cuda: bool) -> bool:
+    """Whether the CUDA context is unusable (a sticky error: every CUDA call now fails)."""
+    if not cuda:
+        return False
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError:
+        return True
+    return False
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     actual, expected = actual.double(), expected.double()
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-300))
@@ -214,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-ms", type=float, default=20.0, help="milliseconds per repeat")
     parser.add_argument("--repeats", type=int, default=3)
     options = parser.parse_args(argv)
-    started = time.monotonic()
+    # A restart (see the module docstring) counts the deadline from the first start.
+    started = float(os.environ.get(STARTED, time.time()))
     description = json.loads((options.round / "round.json").read_text())
     cuda = description["kind"] == "cuda"
     device = "cuda" if cuda else "cpu"
@@ -228,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine()
     with options.out.open("a") as out:
         for name, workload in description["workloads"].items():
+            if all((name, e["id"]) in done or "error" in e for e in workload["candidates"]):
+                continue
             args = inputs(workload, device)
             expected = reference(workload, args)
             zeroed = [args[a["name"]] for a in workload["args"] if a["name"] not in INPUTS]
@@ -235,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             for entry in workload["candidates"]:
                 if (name, entry["id"]) in done or "error" in entry:
                     continue
-                if time.monotonic() - started > options.deadline:
+                if time.time() - started > options.deadline:
                     untimed += 1
                     continue
                 line = {"workload": name, "id": entry["id"], "device": machine}
@@ -255,9 +280,12 @@ def main(argv: list[str] | None = None) -> int:
                     line["error"] = f"{type(failure).__name__}: {failure}"[:500]
                 out.write(json.dumps(line) + "\n")
                 out.flush()
+                if "error" in line and context_lost(cuda):
+                    print(f"{name} {entry['id']} left the CUDA context unusable", flush=True)
+                    return CONTEXT_LOST
     total = sum(len(w["candidates"]) for w in description["workloads"].values())
     print(
-        f"timed {total - untimed} of {total} candidates in {time.monotonic() - started:.0f} s"
+        f"timed {total - untimed} of {total} candidates in {time.time() - started:.0f} s"
         + (f"; {untimed} left untimed at the deadline" if untimed else ""),
         flush=True,
     )
@@ -265,4 +293,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    os.environ.setdefault(STARTED, repr(time.time()))
+    status = main()
+    if status == CONTEXT_LOST:  # a fresh process, a fresh context: go on where this one stopped
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+    sys.exit(status)

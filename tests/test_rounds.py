@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -270,3 +271,66 @@ def test_the_measuring_script_launches_a_cuda_plan_as_written(tmp_path, monkeypa
     assert data is args["data"] and columns.numel() == 5
     assert launched[1][3][0] is columns and launched[1][3][1] is args["output"]
     assert launched[1][3][2] == 7
+
+
+def test_the_measuring_script_stops_where_a_candidate_breaks_the_cuda_context(
+    tmp_path, monkeypatch
+):
+    """A candidate that leaves the CUDA context unusable is recorded with its error and ends
+    the run with ``CONTEXT_LOST`` (the script then starts itself again); the next run goes on
+    with the candidates after it, within a deadline counted from the first start."""
+    monkeypatch.syspath_prepend(str(ROOT / "lab"))
+    import time_round as script
+
+    shape = dict(batch=1, in_channels=2, height=5, width=5, out_channels=3, kernel_h=3)
+    shape |= dict(kernel_w=3, stride_h=1, stride_w=1, pad_h=1, pad_w=1, dilation_h=1)
+    shape |= dict(dilation_w=1, weight_groups=1, offset_groups=1, dtype="float32")
+    sizes = {"data": [1, 2, 5, 5], "offset": [1, 18, 5, 5], "mask": [1, 9, 5, 5]}
+    sizes |= {"weight": [3, 2, 3, 3], "output": [1, 3, 25]}
+    args = [{"name": n, "shape": s, "dtype": "float32"} for n, s in sizes.items()]
+    candidates = [{"id": "a"}, {"id": "b"}, {"id": "c"}]
+    workload = {"shape": shape, "args": args, "candidates": candidates}
+    round_dir = tmp_path / "round"
+    round_dir.mkdir()
+    (round_dir / "round.json").write_text(
+        json.dumps({"kind": "llvm", "workloads": {"seed": workload}})
+    )
+
+    class Candidate:
+        """Writes torchvision's output, except candidate "b", which fails."""
+
+        def __init__(self, directory, entry, values):
+            self.entry, self.values = entry, values
+
+        def __call__(self):
+            if self.entry["id"] == "b":
+                raise RuntimeError("an illegal memory access was encountered")
+            self.values["output"].copy_(script.reference(workload, self.values)["output"])
+
+        def seconds(self, number):
+            return 1e-3
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(script, "LibraryCandidate", Candidate)
+    monkeypatch.setattr(script, "context_lost", lambda cuda: True)
+    out = tmp_path / "results.jsonl"
+    command = [str(round_dir), "--out", str(out), "--deadline", "60"]
+
+    def lines(path):
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    assert script.main(command) == script.CONTEXT_LOST
+    first = lines(out)
+    assert [line["id"] for line in first] == ["a", "b"]
+    assert "run_secs" in first[0] and "illegal memory access" in first[1]["error"]
+    monkeypatch.setattr(script, "context_lost", lambda cuda: False)
+    assert script.main(command) == 0
+    second = lines(out)
+    assert [line["id"] for line in second] == ["a", "b", "c"] and "run_secs" in second[2]
+    # A restart past the deadline of the first start times nothing more.
+    monkeypatch.setenv(script.STARTED, repr(time.time() - 120))
+    late = tmp_path / "late.jsonl"
+    assert script.main([str(round_dir), "--out", str(late), "--deadline", "60"]) == 0
+    assert not late.exists() or not late.read_text().strip()
