@@ -224,6 +224,19 @@ def test_a_cuda_round_holds_cubins_and_the_launches_that_run_them(tmp_path, caps
     assert forward["candidates"][0]["launches"][-1]["args"].count("output") == 1
 
 
+def test_seeds_leave_out_the_spaces_that_metaschedule_rejects():
+    """A CUDA layer of two images: the split-reduction spaces fail MetaSchedule's
+    ``RewriteReductionBlock`` postprocessor (it raises), and the seeds go on without them."""
+    shape = ConvShape(2, 64, 28, 28, 64, 3, 3, pad_h=1, pad_w=1)
+    target = targets.cuda_target("sm_90", 132)
+    context = rounds._context(shape, target, 0, "forward")
+    seeds = rounds._seeds(context, shape, target, "forward", set())
+    names = [(seed.space, seed.name) for seed in seeds]
+    assert names[0] == (rounds.DEFAULT_SPACE, "default")
+    assert {name for space, name in names[1:]} == {"SampleOnceCUDA", "WideTileCUDA", "OnePassCUDA"}
+    assert all(space == rounds.SPACE for space, _ in names[1:])
+
+
 def test_the_measuring_script_launches_a_cuda_plan_as_written(tmp_path, monkeypatch):
     """``lab/time_round.py``'s CUDA path, with CuPy replaced by a recorder (no GPU here): each
     kernel of the plan is looked up in the cubin and launched in order with the plan's grid,

@@ -281,7 +281,7 @@ def _seeds(
     found = [(DEFAULT_SPACE, "default", kernels.default_schedule(shape, target, op))]
     for name, space in named_design_spaces(op, context.mod["main"], target):
         sch = space.copy()
-        if all(postproc.apply(sch) for postproc in context.space_generator.postprocs):
+        if _postprocessed(sch, context.space_generator.postprocs):
             found.append((SPACE, name, sch))
     seeds = []
     for space, name, sch in found:
@@ -289,6 +289,16 @@ def _seeds(
         if _new([candidate], seen):
             seeds.append(Seed(space, name, candidate))
     return seeds
+
+
+def _postprocessed(sch: s_tir.Schedule, postprocs: list) -> bool:
+    """Whether every one of ``postprocs`` takes ``sch`` (applying them to it). One that raises
+    rejects it, as in MetaSchedule's search (the split-reduction spaces of a CUDA layer with
+    more than one image fail ``RewriteReductionBlock`` so)."""
+    try:
+        return all(postproc.apply(sch) for postproc in postprocs)
+    except RuntimeError:  # tvm's ScheduleError
+        return False
 
 
 def _measured(db: ms.database.Database, shape: ConvShape, op: str) -> set:
