@@ -41,5 +41,11 @@ if [[ -n $cudart ]]; then export LD_LIBRARY_PATH=$cudart${LD_LIBRARY_PATH:+:$LD_
 export PYTHONUNBUFFERED=1 TVM_DEFORM_CACHE_DIR=/tmp/tvm_deform_cache TVM_CUDA_COMPILE_MODE=nvcc
 # Run from outside the repository: from its root, Python would import the source tree, which
 # lacks the installed layout (schedules/ is installed as tvm_deform.schedules).
+# Paths among the options (--round work/round1b) are taken from the repository root.
+options=()
+for option in "$@"; do
+    if [[ $option != /* && -e $option ]]; then option=$repo/$option; fi
+    options+=("$option")
+done
 cd /tmp
-python3 "$repo/lab/gpu_session.py" --out "$out" "$@" 2>&1 | tee "$out/log.txt"
+python3 "$repo/lab/gpu_session.py" --out "$out" "${options[@]}" 2>&1 | tee "$out/log.txt"
