@@ -389,10 +389,15 @@ class SplitReductionCUDA(OnePassCUDA):
         sch.rfactor(part, factor_axis=0)
 
     def _sum_parts(self, sch: s_tir.Schedule) -> None:
-        """The sum of the parts and the epilogue: one thread per output, the parts in order."""
+        """The sum of the parts and the epilogue: one thread per output, the parts in order,
+        the images along ``blockIdx.y``. (With the images fused into the thread blocks too,
+        ``compute_at`` gives the sum indices that MetaSchedule's ``RewriteReductionBlock``
+        does not take for affine: it rejected every split schedule of a layer of more than
+        one image.)"""
         output = sch.get_sblock("output")
-        fused = sch.fuse(*sch.get_loops(output))
-        blocks, threads = sch.split(fused, [None, self.geometry_threads])
+        images, *rest = sch.get_loops(output)
+        blocks, threads = sch.split(sch.fuse(*rest), [None, self.geometry_threads])
+        self._bind(sch, images, "blockIdx.y")
         self._bind(sch, blocks, "blockIdx.x")
         self._bind(sch, threads, "threadIdx.x")
         sch.compute_at(sch.get_sblock("conv"), threads)

@@ -210,9 +210,13 @@ class BackwardCUDA(Rule):
         o, c, k, part, n, chunks, p = sch.get_loops(partial)
         sch.reorder(part, k, o, c, n, chunks, p)
         gemm_tiles(sch, partial, [part, k], o, c, [n, chunks, p], rows, columns, self.emulate)
-        cast = sch.get_sblock("grad_weight")
-        thread_per_element(sch, cast, self.threads, self.emulate)
-        sch.compute_at(block, sch.get_loops(cast)[-1])
+        # The sum of the parts, one thread per weight, the output channels along blockIdx.y
+        # (fused into the thread blocks too, they give the sum indices that MetaSchedule's
+        # RewriteReductionBlock does not take for affine: it rejected every split schedule).
+        outputs, *weights = sch.get_loops(sch.get_sblock("grad_weight"))
+        thread = spread(sch, weights, self.threads, self.emulate)
+        _binder(sch, self.emulate)(outputs, "blockIdx.y")
+        sch.compute_at(block, thread)
         return True
 
     def _weight_tiles(self, sch: s_tir.Schedule):

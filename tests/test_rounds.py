@@ -224,17 +224,40 @@ def test_a_cuda_round_holds_cubins_and_the_launches_that_run_them(tmp_path, caps
     assert forward["candidates"][0]["launches"][-1]["args"].count("output") == 1
 
 
-def test_seeds_leave_out_the_spaces_that_metaschedule_rejects():
-    """A CUDA layer of two images: the split-reduction spaces fail MetaSchedule's
-    ``RewriteReductionBlock`` postprocessor (it raises), and the seeds go on without them."""
-    shape = ConvShape(2, 64, 28, 28, 64, 3, 3, pad_h=1, pad_w=1)
+@pytest.mark.parametrize(
+    "shape, op",
+    [
+        (ConvShape(2, 64, 28, 28, 64, 3, 3, pad_h=1, pad_w=1), "forward"),
+        (ConvShape(1, 512, 10, 10, 512, 3, 3, pad_h=1, pad_w=1), "backward"),
+    ],
+    ids=["forward_of_two_images", "backward_of_512_channels"],
+)
+def test_every_cuda_design_space_passes_metaschedules_postprocessors(shape, op):
+    """The split reductions' spaces included (the forward's of a layer of two images, the
+    weight gradient's of a 512-channel layer): ``RewriteReductionBlock`` takes the kernel that
+    adds the parts, so the search can explore them, and each is a seed of a first round."""
     target = targets.cuda_target("sm_90", 132)
-    context = rounds._context(shape, target, 0, "forward")
-    seeds = rounds._seeds(context, shape, target, "forward", set())
-    names = [(seed.space, seed.name) for seed in seeds]
-    assert names[0] == (rounds.DEFAULT_SPACE, "default")
-    assert {name for space, name in names[1:]} == {"SampleOnceCUDA", "WideTileCUDA", "OnePassCUDA"}
-    assert all(space == rounds.SPACE for space, _ in names[1:])
+    context = rounds._context(shape, target, 0, op)
+    spaces = rounds.named_design_spaces(op, context.mod["main"], target)
+    assert len(spaces) >= 2  # one pass, and split
+    postprocs = context.space_generator.postprocs
+    assert all(rounds._postprocessed(sch.copy(), postprocs) for _, sch in spaces)
+    seeds = rounds._seeds(context, shape, target, op, set())
+    assert [(s.space, s.name) for s in seeds][0] == (rounds.DEFAULT_SPACE, "default")
+    assert len(seeds) >= len(spaces)  # the default can be one of the spaces as generated
+
+
+def test_a_space_that_a_postprocessor_raises_on_is_rejected():
+    class Raises:
+        def apply(self, sch):
+            raise RuntimeError("ScheduleError: not a reduction block")
+
+    class Takes:
+        def apply(self, sch):
+            return True
+
+    assert rounds._postprocessed(None, [Takes()])
+    assert not rounds._postprocessed(None, [Takes(), Raises()])
 
 
 def test_the_measuring_script_launches_a_cuda_plan_as_written(tmp_path, monkeypatch):
