@@ -48,4 +48,4 @@ for option in "$@"; do
     options+=("$option")
 done
 cd /tmp
-python3 "$repo/lab/gpu_session.py" --out "$out" "${options[@]}" 2>&1 | tee "$out/log.txt"
+python3 "$repo/lab/gpu_session.py" --out "$out" ${options[@]+"${options[@]}"} 2>&1 | tee "$out/log.txt"
