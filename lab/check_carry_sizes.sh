@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Check, before any device call, that what each call would carry fits: the working tree that
 # every call carries (tracked files and untracked ones git does not ignore) plus one of the
-# given parts, plus the folder ROUND if set (a round of tuning candidates carried beside the
-# part), must stay under CALL_MIB (default 60, under a 64 MiB transfer limit), and no part may
+# given parts, plus ROUND if set (a round of tuning candidates carried beside the part, packed
+# or its directory), must stay under CALL_MIB (default 60, under a 64 MiB transfer limit), and no part may
 # exceed PART_MIB (default 40).
-#   [CALL_MIB=60] [PART_MIB=40] [ROUND=work/round1] bash lab/check_carry_sizes.sh [PART...]
+#   [CALL_MIB=60] [PART_MIB=40] [ROUND=work/round1.tar.xz] bash lab/check_carry_sizes.sh [PART...]
 set -euo pipefail
 mib=$((1024 * 1024))
 call_mib=${CALL_MIB:-60}

@@ -637,7 +637,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--round",
         type=Path,
-        help="a round of tuning candidates to time (tvm-deform tune-round's directory)",
+        help="a round of tuning candidates to time (tvm-deform tune-round's directory, or packed)",
     )
     parser.add_argument(
         "--round-seconds", type=float, default=180, help="time budget of the round's timing"

@@ -25,9 +25,9 @@ mkdir -p "$work/later"
 mv "${parts[1]}" "$work/later/"
 rm -rf /tmp/site /tmp/gpu-stash
 mkdir -p "$out"
-bash lab/gpu_stash.sh && python3 lab/time_round.py work/round --out "$out/round1.jsonl"
+bash lab/gpu_stash.sh && python3 lab/time_round.py work/round.tar.xz --out "$out/round1.jsonl"
 mv "$work/later/$(basename "${parts[1]}")" .gpu/
-bash lab/gpu_session.sh "$out" --device cpu --quick --checks 2 --round work/round
+bash lab/gpu_session.sh "$out" --device cpu --quick --checks 2 --round work/round.tar.xz
 python3 - "$out" <<'PY'
 import json, sys
 results = json.load(open(f"{sys.argv[1]}/gpu_results.json"))

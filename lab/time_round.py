@@ -2,7 +2,10 @@
 measures them, and check each one's output against torchvision's (a backward candidate's:
 its gradients of the offset, mask, weight and bias).
 
-    python lab/time_round.py ROUND_DIR --out results.jsonl [--deadline 480] [--min-ms 20]
+    python lab/time_round.py ROUND --out results.jsonl [--deadline 480] [--min-ms 20]
+
+ROUND is the round's directory, or the same packed (``ROUND_DIR.tar.xz``, which ``tvm-deform
+tune-round`` writes beside it and which is what travels: a fraction of the size).
 
 A CUDA round runs on a GPU machine with torch, torchvision and CuPy, and without TVM or this
 package: each candidate is a cubin that CuPy loads, launched as its launch plan says, its
@@ -25,6 +28,8 @@ import math
 import os
 import platform
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -228,9 +233,25 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-300))
 
 
+def unpacked(path: Path) -> Path:
+    """The round directory at ``path``, or the one packed there (a tar, unpacked into a
+    temporary directory)."""
+    if path.is_dir():
+        return path
+    directory = Path(tempfile.mkdtemp(prefix="round-"))
+    with tarfile.open(path) as archive:
+        archive.extractall(
+            directory, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {})
+        )
+    (found,) = [p for p in directory.iterdir() if p.is_dir()]
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("round", type=Path, help="the round directory (round.json and builds)")
+    parser.add_argument(
+        "round", type=Path, help="the round: its directory (round.json and builds), or packed"
+    )
     parser.add_argument("--out", type=Path, required=True, help="JSON lines, appended")
     parser.add_argument("--deadline", type=float, default=480.0, help="seconds, then stop")
     parser.add_argument("--min-ms", type=float, default=20.0, help="milliseconds per repeat")
@@ -238,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     # A restart (see the module docstring) counts the deadline from the first start.
     started = float(os.environ.get(STARTED, time.time()))
+    options.round = unpacked(options.round)
     description = json.loads((options.round / "round.json").read_text())
     cuda = description["kind"] == "cuda"
     device = "cuda" if cuda else "cpu"

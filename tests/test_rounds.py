@@ -51,10 +51,13 @@ def test_a_round_trip_on_the_cpu_learns_and_ranks_the_next_round(tmp_path):
     built = [c for c in candidates_of(first) if "error" not in c]
     assert len(built) == COUNT
     assert all((tmp_path / "round1" / c["library"]).exists() for c in built)
-    time_round(tmp_path / "round1", tmp_path / "round1.jsonl")
+    # What travels: the round packed beside its directory, timed as it is.
+    packed = rounds.packed_path(tmp_path / "round1")
+    assert packed == tmp_path / "round1.tar.xz" and packed.is_file()
+    time_round(packed, tmp_path / "round1.jsonl")
     lines = [json.loads(x) for x in (tmp_path / "round1.jsonl").read_text().splitlines()]
     assert len(lines) == COUNT and all(len(line["run_secs"]) == 3 for line in lines)
-    # A second call skips what is already timed.
+    # A second call (on the directory) skips what is already timed.
     time_round(tmp_path / "round1", tmp_path / "round1.jsonl")
     assert len((tmp_path / "round1.jsonl").read_text().splitlines()) == COUNT
 

@@ -385,7 +385,11 @@ def run_tune_round(args: argparse.Namespace) -> int:
     ops = OPS if args.op == "all" else (args.op,)
     path = rounds.propose(workloads, target, args.work_dir, args.out, args.count, args.seed, ops)
     size = sum(f.stat().st_size for f in Path(args.out).iterdir() if f.is_file())
-    print(f"{path}: {size / 2**20:.1f} MiB; time it with lab/time_round.py {args.out}")
+    packed = rounds.packed_path(args.out)
+    print(
+        f"{path}: {size / 2**20:.1f} MiB, packed in {packed} ({packed.stat().st_size / 2**20:.1f}"
+        f" MiB); time it with lab/time_round.py {packed}"
+    )
     return 0
 
 
@@ -631,7 +635,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--multiprocessors", type=int, help="the GPU's multiprocessors (132 on an H100 SXM)"
     )
     round_.add_argument("--work-dir", default="work/tune", help="databases and cost model")
-    round_.add_argument("--out", required=True, help="the round's directory (what travels)")
+    round_.add_argument(
+        "--out",
+        required=True,
+        help="the round's directory (packed beside it as OUT.tar.xz, what travels)",
+    )
     round_.add_argument("--seed", type=int, default=0)
     ingest = sub.add_parser(
         "tune-ingest", help="commit a round's times (lab/time_round.py's output) and learn"
