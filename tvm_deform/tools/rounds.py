@@ -273,7 +273,7 @@ def pack(out_dir: str | os.PathLike) -> Path:
     """The round at ``out_dir`` as one xz-compressed tar beside it (its path returned),
     which ``lab/time_round.py`` reads as it reads the directory. Candidates of one layer share
     most of their machine code, so a round packs small: a backward round of the suite took
-    24 MiB as files and 0.6 MiB packed, where a GPU machine takes a few tens of MiB a call."""
+    24 MiB as files and 0.5 MiB packed, where a GPU machine takes a few tens of MiB a call."""
     out_dir = Path(out_dir)
     path = packed_path(out_dir)
     with tarfile.open(path, "w:xz", preset=6) as archive:
@@ -314,8 +314,9 @@ def _seeds(
 
 def _postprocessed(sch: s_tir.Schedule, postprocs: list) -> bool:
     """Whether every one of ``postprocs`` takes ``sch`` (applying them to it). One that raises
-    rejects it, as in MetaSchedule's search (the split-reduction spaces of a CUDA layer with
-    more than one image fail ``RewriteReductionBlock`` so)."""
+    rejects it, as MetaSchedule's search drops a schedule a postprocessor raises on (its
+    ``RewriteReductionBlock`` raises on a reduction block whose indices it does not take for
+    affine)."""
     try:
         return all(postproc.apply(sch) for postproc in postprocs)
     except RuntimeError:  # tvm's ScheduleError
