@@ -30,5 +30,8 @@ for part in "$@"; do
         echo "  too large: a call may carry at most $call_mib MiB"; status=1
     fi
 done
+if (($# == 0 && tree + round > call_mib * mib)); then
+    echo "too large: a call may carry at most $call_mib MiB"; status=1
+fi
 if ((tree > 20 * mib)); then echo "the working tree alone is over 20 MiB"; status=1; fi
 exit $status

@@ -4,7 +4,7 @@ results.
 Run on a machine with an NVIDIA GPU, offline, by ``lab/gpu_session.sh`` (which unpacks TVM
 from the parts ``lab/pack_gpu_wheels.sh`` made), or directly where TVM is installed::
 
-    python lab/gpu_session.py --out OUT [--model] [--round ROUND_DIR] [--round-seconds 180]
+    python lab/gpu_session.py --out OUT [--model] [--round ROUND] [--round-seconds 180]
 
 Steps, each recorded in ``OUT/gpu_results.json`` as soon as it ends, pass or fail, so that a
 call cut short keeps what was done; the exit code is non-zero if any step failed:
@@ -51,6 +51,7 @@ import contextlib
 import dataclasses
 import json
 import random
+import subprocess
 import sys
 import tarfile
 import time
@@ -573,17 +574,18 @@ def time_model(
 
 def time_round(round_dir: Path, out: Path, seconds: float) -> dict:
     """Time a round of tuning candidates (``tvm-deform tune-round``, carried to this machine)
-    with ``lab/time_round.py`` within ``seconds``; the JSON lines go to ``out``."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import time_round as script
-
-    status = script.main([str(round_dir), "--out", str(out), "--deadline", str(max(0.0, seconds))])
-    lines = [json.loads(x) for x in out.read_text().splitlines() if x.strip()]
+    with ``lab/time_round.py`` within ``seconds``, in a process of its own (a candidate that
+    breaks the CUDA context costs neither this session's context nor the rest of the round:
+    the script starts itself again); the JSON lines go to ``out``."""
+    script = Path(__file__).resolve().parent / "time_round.py"
+    command = [sys.executable, str(script), str(round_dir), "--out", str(out)]
+    finished = subprocess.run([*command, "--deadline", str(max(0.0, seconds))], check=False)
+    text = out.read_text() if out.exists() else ""
+    lines = [json.loads(x) for x in text.splitlines() if x.strip()]
     return {
         "timed": sum("run_secs" in x for x in lines),
         "failed": sum("error" in x for x in lines),
-        # A candidate broke the CUDA context: the rest are left for lab/time_round.py.
-        "context_lost": status == script.CONTEXT_LOST,
+        "exit_status": finished.returncode,
         "results": str(out),
     }
 

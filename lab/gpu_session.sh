@@ -11,7 +11,8 @@ shift
 mkdir -p /tmp/site "$out"
 out=$(cd "$out" && pwd)
 repo=$(pwd)
-parts=$(find .gpu .gpu-stash /tmp/gpu-stash -name 'site.tar.xz.part-*' 2>/dev/null \
+# (find fails on a folder that is not there, e.g. the stash of a machine released since)
+parts=$( { find .gpu .gpu-stash /tmp/gpu-stash -name 'site.tar.xz.part-*' 2>/dev/null || true; } \
     | awk -F/ '{print $NF, $0}' | sort -u -k1,1 | cut -d' ' -f2)
 if (($(wc -l <<<"$parts") != 2)); then
     echo "expected the two parts of site.tar.xz (the first call stashes one), found: $parts"

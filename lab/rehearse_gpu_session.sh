@@ -17,7 +17,8 @@ cd "$work/repo"
 export PATH="$root/.venv/bin:$PATH"
 version=$(python3 -c 'import sys; print(f"{sys.version_info.major}.{sys.version_info.minor}")')
 bash lab/pack_gpu_wheels.sh "$version"
-# A small round of candidates for this CPU, timed in both calls as a GPU's rounds are.
+# A small round of candidates for this CPU (built by this checkout's tvm-deform, on PATH),
+# timed in both calls as a GPU's rounds are.
 tvm-deform tune-round --workload seed --count 2 --work-dir "$work/tune" --out work/round
 parts=(.gpu/site.tar.xz.part-*)
 if ((${#parts[@]} != 2)); then echo "expected two parts, got ${#parts[@]}"; exit 1; fi

@@ -233,12 +233,9 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-300))
 
 
-def unpacked(path: Path) -> Path:
-    """The round directory at ``path``, or the one packed there (a tar, unpacked into a
-    temporary directory)."""
-    if path.is_dir():
-        return path
-    directory = Path(tempfile.mkdtemp(prefix="round-"))
+def unpack(path: Path, directory: Path) -> Path:
+    """The round packed at ``path`` (a tar), unpacked into ``directory``: its round's
+    directory."""
     with tarfile.open(path) as archive:
         archive.extractall(
             directory, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {})
@@ -248,6 +245,7 @@ def unpacked(path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Time the round (see the module docstring); the exit status: 0, or ``CONTEXT_LOST``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "round", type=Path, help="the round: its directory (round.json and builds), or packed"
@@ -257,10 +255,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-ms", type=float, default=20.0, help="milliseconds per repeat")
     parser.add_argument("--repeats", type=int, default=3)
     options = parser.parse_args(argv)
+    if options.round.is_dir():
+        return _time_round(options, options.round)
+    with tempfile.TemporaryDirectory(prefix="round-") as directory:
+        return _time_round(options, unpack(options.round, Path(directory)))
+
+
+def _time_round(options: argparse.Namespace, round_dir: Path) -> int:
     # A restart (see the module docstring) counts the deadline from the first start.
     started = float(os.environ.get(STARTED, time.time()))
-    options.round = unpacked(options.round)
-    description = json.loads((options.round / "round.json").read_text())
+    description = json.loads((round_dir / "round.json").read_text())
     cuda = description["kind"] == "cuda"
     device = "cuda" if cuda else "cpu"
     done = set()
@@ -290,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                     for tensor in zeroed:
                         tensor.zero_()
                     kind = CudaCandidate if cuda else LibraryCandidate
-                    candidate = kind(options.round, entry, dict(args))
+                    candidate = kind(round_dir, entry, dict(args))
                     candidate()
                     candidate.synchronize()
                     for buffer, value in expected.items():

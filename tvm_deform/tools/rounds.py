@@ -276,8 +276,18 @@ def pack(out_dir: str | os.PathLike) -> Path:
     24 MiB as files and 0.5 MiB packed, where a GPU machine takes a few tens of MiB a call."""
     out_dir = Path(out_dir)
     path = packed_path(out_dir)
+    described = json.loads((out_dir / ROUND_FILE).read_text())
+    # The round's own files only: a directory used before may hold an older round's.
+    names = [ROUND_FILE] + [
+        entry[kind]
+        for workload in described["workloads"].values()
+        for entry in workload["candidates"]
+        for kind in ("cubin", "library")
+        if kind in entry
+    ]
     with tarfile.open(path, "w:xz", preset=6) as archive:
-        archive.add(out_dir, arcname=out_dir.name)
+        for name in names:
+            archive.add(out_dir / name, arcname=f"{out_dir.name}/{name}")
     return path
 
 
