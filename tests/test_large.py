@@ -3,6 +3,7 @@ a GPU call whose sampled columns would be large runs its batch in chunks of imag
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import psutil
@@ -146,6 +147,22 @@ def test_a_gpu_call_whose_columns_pass_the_budget_takes_chunks_of_images():
     assert calls.images_per_call(small, gpu) == 8
 
 
+@pytest.mark.parametrize("sizes", ["any", "static"])
+def test_a_gpu_call_takes_at_most_the_grids_images(monkeypatch, sizes):
+    """CUDA kernels run the images along a grid axis of at most 65535 blocks: a larger batch
+    of small images runs in chunks of that many, whether its kernels are for any size or for
+    its own; a CPU call takes every image."""
+    from tvm_deform.runtime import calls
+
+    monkeypatch.setenv("TVM_DEFORM_SIZES", sizes)
+    many = ConvShape(70_000, 4, 5, 5, 4, 3, 3, pad_h=1, pad_w=1)
+    gpu = targets.cuda_target("sm_90")
+    for op in ("forward", "backward"):
+        assert calls.images_per_call(many, gpu, op) == calls.GRID_IMAGES == 65535
+    assert calls.images_per_call(dataclasses.replace(many, batch=65535), gpu) == 65535
+    assert calls.images_per_call(many, targets.host_target()) == 70_000
+
+
 def test_a_batch_run_in_chunks_of_images_gives_the_whole_batchs_output(monkeypatch):
     """The chunk loop, on the CPU: a batch of 5 in calls of 2, 2 and 1 images gives the
     same output as one call, bit for bit."""
@@ -171,12 +188,15 @@ def test_a_batch_run_in_chunks_of_images_gives_the_whole_batchs_output(monkeypat
     assert torch.equal(chunked, whole)
 
 
-def test_a_backward_run_in_chunks_of_images_gives_the_whole_batchs_gradients(monkeypatch):
+@pytest.mark.parametrize("sizes", ["any", "static"])
+def test_a_backward_run_in_chunks_of_images_gives_the_whole_batchs_gradients(monkeypatch, sizes):
     """The backward's chunk loop, on the CPU: a batch of 5 in calls of 2, 2 and 1 images gives
     the whole batch's input, offset and mask gradients bit for bit; the weight's and bias's,
     the chunks' sums added in order, agree within rounding and are the same bits on every
-    run."""
+    run. With kernels for one size each chunk runs kernels for its own."""
     from tvm_deform.runtime import calls, inputs
+
+    monkeypatch.setenv("TVM_DEFORM_SIZES", sizes)
 
     shape = ConvShape(5, 8, 9, 7, 6, 3, 3, pad_h=1, pad_w=1, has_bias=True)
     args = inputs.random_inputs(shape)

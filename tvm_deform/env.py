@@ -65,9 +65,9 @@ def cache_limit_bytes() -> int:
 
 
 def sizes() -> str:
-    """``TVM_DEFORM_SIZES``: "any" (default) runs a CPU layer's forward on one kernel for every
-    input size; "static" compiles a kernel per input size (the path to measure what the
-    generality costs, or to rule it out)."""
+    """``TVM_DEFORM_SIZES``: "any" (default) runs a layer on kernels compiled for every input
+    size (with the exceptions ``runtime.kernels.any_size`` names); "static" compiles kernels
+    per input size (the path to measure what the generality costs, or to rule it out)."""
     value = os.environ.get("TVM_DEFORM_SIZES", "any").strip().lower() or "any"
     if value not in ("any", "static"):
         raise ValueError(f"TVM_DEFORM_SIZES must be 'any' or 'static', got {value!r}")

@@ -30,6 +30,11 @@ __all__ = ["device_target", "images_per_call", "run_backward", "run_forward", "s
 #: 100x167 output pixels, the third stage of a ResNet at 800x1333)
 COLUMN_BYTES = 512 * 2**20
 
+#: the most images one call of CUDA kernels takes: the kernels run the images along a grid
+#: axis (``blockIdx.y`` or ``blockIdx.z``) whose extent is at most 65535; a larger batch runs
+#: in chunks of images
+GRID_IMAGES = 65535
+
 
 def run_forward(
     shape: ConvShape,
@@ -42,8 +47,9 @@ def run_forward(
 ) -> torch.Tensor:
     """Run ``kernel`` (default: the one dispatch picks for ``shape`` on the tensors' device)
     on validated tensors, CPU or CUDA. A CUDA kernel runs on torch's current stream of the
-    tensors' device, without synchronising. Where dispatch picks a GPU kernel for any size, a
-    batch whose columns would pass :data:`COLUMN_BYTES` runs in chunks of images (see
+    tensors' device, without synchronising. On a GPU a batch of more than
+    :data:`GRID_IMAGES` images, or, where dispatch picks a kernel for any size, one whose
+    columns would pass :data:`COLUMN_BYTES`, runs in chunks of images (see
     :func:`images_per_call`)."""
     output = input.new_empty((shape.batch, shape.out_channels, shape.out_h, shape.out_w))
     if shape.batch == 0:
@@ -73,18 +79,20 @@ def run_forward(
 
 def images_per_call(shape: ConvShape, target: Target, op: str = "forward") -> int:
     """How many images of ``shape``'s batch one call of its ``op``'s kernels on ``target``
-    takes: all of them, except for GPU kernels for any size when the columns of the batch
-    would pass :data:`COLUMN_BYTES`; then as many as fit, at least one. (The forward's sampled
-    columns are a workspace of ``batch x channels x taps x pixels``; the backward's column
-    gradient and recomputed columns are two more of that size.)"""
+    takes: all of them on a CPU; on a GPU at most :data:`GRID_IMAGES`, and for kernels for
+    any size, when the columns of the batch would pass :data:`COLUMN_BYTES`, as many as fit,
+    at least one. (The forward's sampled columns are a workspace of ``batch x channels x taps
+    x pixels``; the backward's column gradient and recomputed columns are two more of that
+    size. A kernel for one size sizes its own workspaces.)"""
     if target.kind.name != "cuda":
         return shape.batch
+    images = min(shape.batch, GRID_IMAGES)
     element = 8 if shape.accumulator_dtype == "float64" else 4
     per_image = shape.in_channels * shape.taps * shape.out_h * shape.out_w * element
-    if per_image * shape.batch <= COLUMN_BYTES:
-        return shape.batch
+    if per_image * images <= COLUMN_BYTES:
+        return images
     if not kernels.any_size(shape, target, env.tuned_enabled(), op=op):
-        return shape.batch  # a kernel for this size alone takes its whole batch
+        return images
     return max(1, COLUMN_BYTES // per_image)
 
 
@@ -178,10 +186,9 @@ def run_backward(
     ``aten::convolution_backward``) and None otherwise; the mask's is None without a mask, the
     bias's None when ``shape`` has no bias. ``compiled`` (the backward kernels) defaults to the
     ones dispatch picks for ``shape``, the tensors' device and the gradients asked for. CUDA
-    kernels run on torch's current stream of the tensors' device. Where dispatch picks GPU
-    kernels for any size, a batch whose columns would pass :data:`COLUMN_BYTES` runs in chunks
-    of images (see :func:`images_per_call`), the weight's and bias's gradients of the chunks
-    added in order."""
+    kernels run on torch's current stream of the tensors' device. A GPU batch runs in chunks
+    of images as the forward's does (see :func:`images_per_call`), the weight's and bias's
+    gradients of the chunks added in order."""
     want_input, want_offset, want_mask, want_weight, want_bias = output_mask
     want_mask = want_mask and mask is not None
     want_bias = want_bias and shape.has_bias
@@ -202,15 +209,16 @@ def run_backward(
         if shape.has_bias:
             grad_bias = (weight.new_zeros if empty else weight.new_empty)(shape.out_channels)
     if not empty and gradients != definition.Gradients(False, False, False):
-        images = shape.batch
+        images, target = shape.batch, None
         if compiled is None:
             target = device_target(input.device)
             images = images_per_call(shape, target, "backward")
-            compiled = kernels.get_backward(shape, target, gradients=gradients)
+            if images >= shape.batch:
+                compiled = kernels.get_backward(shape, target, gradients=gradients)
         run = functools.partial(
             _run_backward_kernels
             if images >= shape.batch
-            else functools.partial(_run_backward_in_chunks, images),
+            else functools.partial(_run_backward_in_chunks, images, target),
             shape,
             compiled,
             grad_output,
@@ -275,21 +283,23 @@ def scratch(
 
 
 def _run_backward_in_chunks(
-    images, shape, compiled, grad_output, input, offset, weight, mask, gradients, grads
+    images, target, shape, compiled, grad_output, input, offset, weight, mask, gradients, grads
 ) -> None:
-    """:func:`_run_backward_kernels`, run on chunks of ``images`` images: each chunk's input,
-    offset and mask gradients go to its slice of the batch's; its weight and bias gradients
-    to buffers of their own, added in the chunks' order in the accumulator's dtype (the same
-    bits on every run)."""
+    """:func:`_run_backward_kernels`, run on chunks of ``images`` images with ``compiled``
+    (None: the kernels dispatch picks for each chunk on ``target``, one size's own where
+    they are not for any size): each chunk's input, offset and mask gradients go to its slice
+    of the batch's; its weight and bias gradients to buffers of their own, added in the
+    chunks' order in the accumulator's dtype (the same bits on every run)."""
     grad_input, grad_offset, grad_mask, grad_weight, grad_bias = grads
     acc = _TORCH_DTYPES[shape.accumulator_dtype]
     sums: list[torch.Tensor | None] = [None, None]
     for start in range(0, shape.batch, images):
         part = slice(start, min(start + images, shape.batch))
         totals = [None if g is None else torch.empty_like(g) for g in (grad_weight, grad_bias)]
+        chunk = dataclasses.replace(shape, batch=part.stop - part.start)
         _run_backward_kernels(
-            dataclasses.replace(shape, batch=part.stop - part.start),
-            compiled,
+            chunk,
+            compiled or kernels.get_backward(chunk, target, gradients=gradients),
             grad_output[part],
             input[part],
             offset[part],
