@@ -184,28 +184,38 @@ class BackwardCUDA(Rule):
         block = sch.get_sblock("weight_sum")
         o, c, k, n, p = sch.get_loops(block)
         pixels = _pixel_multiple(sch, p)
+        extent = sch.get(p).extent
+        # A split reduction keeps the default's chunk, its parts dividing the chunks; for any
+        # size a smaller one where the parts need more chunks than a quantum holds.
+        chunk = largest_divisor(pixels, self.chunk)
         if parts is None or parts == "sampled":
             tiles = int(sch.get(k).extent) * int(sch.get(o).extent) // math.prod(defaults[0])
             tiles *= weight_in // math.prod(defaults[1])
-            extent = sch.get(p).extent
-            known = isinstance(extent, tirx.IntImm)
-            chunk = largest_divisor(pixels, self.chunk)
-            default = self.parts(tiles, int(extent) // chunk if known else None, chunk, target)
+            if isinstance(extent, tirx.IntImm):
+                default = self.parts(tiles, int(extent) // chunk, chunk, target)
+            else:
+                default = self.parts(tiles, pixels, 1, target, any_size=True)
+                chunk = min(chunk, pixels // default)
             if parts is None:
                 parts = default
             else:
                 parts = choose(self._part_candidates(sch), default, lambda value: value > 1)
-        # A split reduction keeps the default's chunk: its parts must divide the chunks.
         one_pass = isinstance(parts, int) and parts == 1
-        chunk = self._chunk(choose, pixels) if one_pass else largest_divisor(pixels, self.chunk)
+        if one_pass:
+            chunk = self._chunk(choose, pixels)
         chunks, p = sch.split(p, [None, chunk])
         if one_pass:
             sch.reorder(k, o, c, n, chunks, p)
             consumer = sch.get_sblock("grad_weight")
             gemm_tiles(sch, block, [k], o, c, [n, chunks, p], rows, columns, self.emulate, consumer)
             return True
-        part, chunks = sch.split(chunks, [parts, None])
-        sch.reorder(part, n)
+        if isinstance(extent, tirx.IntImm):
+            part, chunks = sch.split(chunks, [parts, None])
+        else:
+            # For any size each part takes every parts-th chunk: the parts divide a quantum's
+            # chunks (see :meth:`parts`), so the split has no tail.
+            chunks, part = sch.split(chunks, [None, parts])
+        sch.reorder(part, n, chunks)
         partial = sch.rfactor(part, factor_axis=0)
         o, c, k, part, n, chunks, p = sch.get_loops(partial)
         sch.reorder(part, k, o, c, n, chunks, p)
@@ -255,19 +265,23 @@ class BackwardCUDA(Rule):
         chunks = extent // largest_divisor(extent, self.chunk)
         return [2**i for i in range(1, self.max_parts.bit_length()) if chunks % 2**i == 0]
 
-    def parts(self, tiles: int, chunks: int | None, chunk: int, target: Target) -> int:
+    def parts(
+        self, tiles: int, chunks: int, chunk: int, target: Target, any_size: bool = False
+    ) -> int:
         """The parts the weight gradient's reduction over ``chunks`` chunks of ``chunk``
-        pixels (per image; None for a kernel for any size) is split into, for ``tiles``
-        thread blocks of its GEMM: the fewest (a power of two, at most ``max_parts``) that
-        give the blocks that fill ``target``'s GPU; where the chunks are known, parts that
-        divide them into at least ``min_part_pixels`` pixels each."""
+        pixels is split into, for ``tiles`` thread blocks of its GEMM: the fewest (a power
+        of two, at most ``max_parts``) that give the blocks that fill ``target``'s GPU, among
+        those that divide an image's chunks into at least ``min_part_pixels`` pixels each;
+        for a kernel for any size (``any_size``), those that divide the chunks of the pixel
+        quantum, and so every size's (a split with a tail, over a symbolic pixel count, made
+        TVM's buffer compaction compute a bound past int32 and raise on some strided
+        layers)."""
         wanted = SplitReductionCUDA().blocks_wanted(target)
         parts = 1
         while tiles * parts < wanted and parts * 2 <= self.max_parts:
-            if chunks is not None:
-                per_part, remainder = divmod(chunks, parts * 2)
-                if remainder or per_part * chunk < self.min_part_pixels:
-                    break
+            per_part, remainder = divmod(chunks, parts * 2)
+            if remainder or (not any_size and per_part * chunk < self.min_part_pixels):
+                break
             parts *= 2
         return parts
 
