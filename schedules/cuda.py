@@ -122,9 +122,15 @@ class OnePassCUDA(Rule):
         elem = columns.dtype.bits // 8
         out_per_group = outputs // (channels // weight_in)
         tile_o = threads_o * regs_o
-        groups = min(channels // weight_in, -(-tile_o // out_per_group) + 1)
         per_chunk = self._channels_per_chunk(weight_in, taps)
-        staged = groups * per_chunk * taps * self.threads_p * self.regs_p
+        # TVM stages one box of channels for the groups the tile's output channels may
+        # reach (``o // per_group``), the chunk of each and every channel between them:
+        # ``tile / per_group`` groups where one divides the other, else one more, also past
+        # the last group (TVM does not know the predicate of a ragged last tile).
+        aligned = tile_o % out_per_group == 0 or out_per_group % tile_o == 0
+        groups = max(1, tile_o // out_per_group) if aligned else -(-tile_o // out_per_group) + 1
+        staged_channels = min(channels, (groups - 1) * weight_in + per_chunk)
+        staged = staged_channels * taps * self.threads_p * self.regs_p
         return (staged + tile_o * per_chunk * taps) * elem
 
     def fits(self, sch: s_tir.Schedule, threads_o: int, regs_o: int, budget: int) -> bool:
