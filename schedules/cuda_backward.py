@@ -184,18 +184,15 @@ class BackwardCUDA(Rule):
         block = sch.get_sblock("weight_sum")
         o, c, k, n, p = sch.get_loops(block)
         pixels = _pixel_multiple(sch, p)
-        extent = sch.get(p).extent
-        # A split reduction keeps the default's chunk, its parts dividing the chunks; for any
-        # size a smaller one where the parts need more chunks than a quantum holds.
-        chunk = largest_divisor(pixels, self.chunk)
+        known = isinstance(sch.get(p).extent, tirx.IntImm)
         if parts is None or parts == "sampled":
             tiles = int(sch.get(k).extent) * int(sch.get(o).extent) // math.prod(defaults[0])
             tiles *= weight_in // math.prod(defaults[1])
-            if isinstance(extent, tirx.IntImm):
-                default = self.parts(tiles, int(extent) // chunk, chunk, target)
+            if known:
+                chunk = largest_divisor(pixels, self.chunk)
+                default = self.parts(tiles, pixels // chunk, chunk, target)
             else:
                 default = self.parts(tiles, pixels, 1, target, any_size=True)
-                chunk = min(chunk, pixels // default)
             if parts is None:
                 parts = default
             else:
@@ -203,19 +200,28 @@ class BackwardCUDA(Rule):
         one_pass = isinstance(parts, int) and parts == 1
         if one_pass:
             chunk = self._chunk(choose, pixels)
+        elif known:
+            chunk = largest_divisor(pixels, self.chunk)  # the default's: its parts divide it
+        else:
+            # For any size, a chunk of which the quantum holds a multiple of ``parts``: each
+            # part takes every parts-th chunk, and the split has no tail (one, over the
+            # symbolic pixel count, made TVM's buffer compaction compute a bound past int32
+            # and raise on some strided layers).
+            if pixels % parts:
+                raise ValueError(f"{parts} parts do not divide the pixel quantum {pixels}")
+            chunk = largest_divisor(pixels // parts, self.chunk)
         chunks, p = sch.split(p, [None, chunk])
         if one_pass:
             sch.reorder(k, o, c, n, chunks, p)
             consumer = sch.get_sblock("grad_weight")
             gemm_tiles(sch, block, [k], o, c, [n, chunks, p], rows, columns, self.emulate, consumer)
             return True
-        if isinstance(extent, tirx.IntImm):
+        if known:
             part, chunks = sch.split(chunks, [parts, None])
+            sch.reorder(part, n)
         else:
-            # For any size each part takes every parts-th chunk: the parts divide a quantum's
-            # chunks (see :meth:`parts`), so the split has no tail.
             chunks, part = sch.split(chunks, [None, parts])
-        sch.reorder(part, n, chunks)
+            sch.reorder(part, n, chunks)
         partial = sch.rfactor(part, factor_axis=0)
         o, c, k, part, n, chunks, p = sch.get_loops(partial)
         sch.reorder(part, k, o, c, n, chunks, p)
@@ -272,10 +278,8 @@ class BackwardCUDA(Rule):
         pixels is split into, for ``tiles`` thread blocks of its GEMM: the fewest (a power
         of two, at most ``max_parts``) that give the blocks that fill ``target``'s GPU, among
         those that divide an image's chunks into at least ``min_part_pixels`` pixels each;
-        for a kernel for any size (``any_size``), those that divide the chunks of the pixel
-        quantum, and so every size's (a split with a tail, over a symbolic pixel count, made
-        TVM's buffer compaction compute a bound past int32 and raise on some strided
-        layers)."""
+        for a kernel for any size (``any_size``: ``chunks`` the pixel quantum, ``chunk``
+        1), those that divide the quantum (see :meth:`_weight_gradient`)."""
         wanted = SplitReductionCUDA().blocks_wanted(target)
         parts = 1
         while tiles * parts < wanted and parts * 2 <= self.max_parts:

@@ -149,18 +149,30 @@ def test_a_gpu_call_whose_columns_pass_the_budget_takes_chunks_of_images():
 
 @pytest.mark.parametrize("sizes", ["any", "static"])
 def test_a_gpu_call_takes_at_most_the_grids_images(monkeypatch, sizes):
-    """CUDA kernels run the images along a grid axis of at most 65535 blocks: a larger batch
-    of small images runs in chunks of that many, whether its kernels are for any size or for
-    its own; a CPU call takes every image."""
+    """CUDA kernels run the images along a grid axis of at most 65535 blocks (the backward's
+    column gradient, its (image, tap) pairs): a larger batch runs in chunks of that many,
+    whether its kernels are for any size or for its own, fewer where kernels for any size
+    would pass the columns' budget; a CPU call takes every image."""
     from tvm_deform.runtime import calls
 
     monkeypatch.setenv("TVM_DEFORM_SIZES", sizes)
-    many = ConvShape(70_000, 4, 5, 5, 4, 3, 3, pad_h=1, pad_w=1)
     gpu = targets.cuda_target("sm_90")
-    for op in ("forward", "backward"):
-        assert calls.images_per_call(many, gpu, op) == calls.GRID_IMAGES == 65535
-    assert calls.images_per_call(dataclasses.replace(many, batch=65535), gpu) == 65535
-    assert calls.images_per_call(many, targets.host_target()) == 70_000
+    small = ConvShape(70_000, 4, 5, 5, 4, 3, 3, pad_h=1, pad_w=1)  # 3.6 KB of columns each
+    assert calls.images_per_call(small, gpu) == calls.GRID_IMAGES == 65535
+    assert calls.images_per_call(small, gpu, "backward") == 65535 // 9
+    assert calls.images_per_call(dataclasses.replace(small, batch=65535), gpu) == 65535
+    assert calls.images_per_call(small, targets.host_target()) == 70_000
+    larger = ConvShape(70_000, 16, 8, 8, 16, 3, 3, pad_h=1, pad_w=1)  # 36.9 KB each
+    per_image = 16 * 9 * 64 * 4
+    fit = calls.COLUMN_BYTES // per_image if sizes == "any" else 65535
+    assert calls.images_per_call(larger, gpu) == fit
+    assert calls.images_per_call(larger, gpu, "backward") == 65535 // 9  # within the budget
+    # The whole batch passes 2^31 elements (a kernel for its own size), a chunk of the grid's
+    # images does not: the chunk runs kernels for any size, within the budget.
+    wide = ConvShape(66_000, 512, 8, 8, 8, 1, 1)  # 32768 column elements an image
+    assert wide.largest_forward_buffer() > definition.INT32_MAX
+    fit = calls.COLUMN_BYTES // (512 * 64 * 4) if sizes == "any" else 65535
+    assert calls.images_per_call(wide, gpu) == fit
 
 
 def test_a_batch_run_in_chunks_of_images_gives_the_whole_batchs_output(monkeypatch):
@@ -210,7 +222,7 @@ def test_a_backward_run_in_chunks_of_images_gives_the_whole_batchs_gradients(mon
     whole = gradients()
     asked = []
 
-    def two_at_a_time(shape, target, op="forward"):
+    def two_at_a_time(shape, target, op="forward", tuned=None):
         asked.append((shape.batch, op))
         return 2 if op == "backward" else shape.batch
 

@@ -30,9 +30,9 @@ __all__ = ["device_target", "images_per_call", "run_backward", "run_forward", "s
 #: 100x167 output pixels, the third stage of a ResNet at 800x1333)
 COLUMN_BYTES = 512 * 2**20
 
-#: the most images one call of CUDA kernels takes: the kernels run the images along a grid
-#: axis (``blockIdx.y`` or ``blockIdx.z``) whose extent is at most 65535; a larger batch runs
-#: in chunks of images
+#: the most thread blocks along a CUDA grid's ``y`` or ``z`` axis, where the kernels run the
+#: images (the backward's column gradient runs (image, tap) pairs along ``z``): a larger batch
+#: runs in chunks of images (see :func:`images_per_call`)
 GRID_IMAGES = 65535
 
 
@@ -47,10 +47,9 @@ def run_forward(
 ) -> torch.Tensor:
     """Run ``kernel`` (default: the one dispatch picks for ``shape`` on the tensors' device)
     on validated tensors, CPU or CUDA. A CUDA kernel runs on torch's current stream of the
-    tensors' device, without synchronising. On a GPU a batch of more than
-    :data:`GRID_IMAGES` images, or, where dispatch picks a kernel for any size, one whose
-    columns would pass :data:`COLUMN_BYTES`, runs in chunks of images (see
-    :func:`images_per_call`)."""
+    tensors' device, without synchronising. With the kernels dispatch picks (``kernel``
+    None), a GPU batch runs in chunks of images where one call's grid or workspace could not
+    take it (see :func:`images_per_call`)."""
     output = input.new_empty((shape.batch, shape.out_channels, shape.out_h, shape.out_w))
     if shape.batch == 0:
         return output
@@ -77,21 +76,28 @@ def run_forward(
     return output
 
 
-def images_per_call(shape: ConvShape, target: Target, op: str = "forward") -> int:
+def images_per_call(
+    shape: ConvShape, target: Target, op: str = "forward", tuned: bool | None = None
+) -> int:
     """How many images of ``shape``'s batch one call of its ``op``'s kernels on ``target``
-    takes: all of them on a CPU; on a GPU at most :data:`GRID_IMAGES`, and for kernels for
-    any size, when the columns of the batch would pass :data:`COLUMN_BYTES`, as many as fit,
-    at least one. (The forward's sampled columns are a workspace of ``batch x channels x taps
-    x pixels``; the backward's column gradient and recomputed columns are two more of that
-    size. A kernel for one size sizes its own workspaces.)"""
+    takes: all of them on a CPU; on a GPU at most what the grid takes (:data:`GRID_IMAGES`,
+    divided by the taps for the backward), and where such a chunk runs kernels for any size
+    (``tuned``, default ``TVM_DEFORM_TUNED``, as for ``kernels.any_size``) and its columns
+    would pass :data:`COLUMN_BYTES`, as many as fit, at least one. (The forward's sampled
+    columns are a workspace of ``batch x channels x taps x pixels``; the backward's column
+    gradient and recomputed columns are two more of that size. A kernel for one size sizes
+    its own workspaces.)"""
     if target.kind.name != "cuda":
         return shape.batch
-    images = min(shape.batch, GRID_IMAGES)
+    grid = GRID_IMAGES // shape.taps if op == "backward" else GRID_IMAGES
+    images = min(shape.batch, max(1, grid))
     element = 8 if shape.accumulator_dtype == "float64" else 4
     per_image = shape.in_channels * shape.taps * shape.out_h * shape.out_w * element
     if per_image * images <= COLUMN_BYTES:
         return images
-    if not kernels.any_size(shape, target, env.tuned_enabled(), op=op):
+    tuned = env.tuned_enabled() if tuned is None else tuned
+    chunk = dataclasses.replace(shape, batch=images)
+    if not kernels.any_size(chunk, target, tuned, op=op):
         return images
     return max(1, COLUMN_BYTES // per_image)
 
@@ -186,9 +192,10 @@ def run_backward(
     ``aten::convolution_backward``) and None otherwise; the mask's is None without a mask, the
     bias's None when ``shape`` has no bias. ``compiled`` (the backward kernels) defaults to the
     ones dispatch picks for ``shape``, the tensors' device and the gradients asked for. CUDA
-    kernels run on torch's current stream of the tensors' device. A GPU batch runs in chunks
-    of images as the forward's does (see :func:`images_per_call`), the weight's and bias's
-    gradients of the chunks added in order."""
+    kernels run on torch's current stream of the tensors' device. With the kernels dispatch
+    picks, a GPU batch runs in chunks of images as the forward's does (see
+    :func:`images_per_call`), the weight's and bias's gradients of the chunks added in
+    order."""
     want_input, want_offset, want_mask, want_weight, want_bias = output_mask
     want_mask = want_mask and mask is not None
     want_bias = want_bias and shape.has_bias
@@ -212,7 +219,9 @@ def run_backward(
         images, target = shape.batch, None
         if compiled is None:
             target = device_target(input.device)
-            images = images_per_call(shape, target, "backward")
+            # Dispatch reads the tuning logs only for the kernels of every gradient.
+            tuned = env.tuned_enabled() and gradients == definition.ALL_GRADIENTS
+            images = images_per_call(shape, target, "backward", tuned)
             if images >= shape.batch:
                 compiled = kernels.get_backward(shape, target, gradients=gradients)
         run = functools.partial(
@@ -299,7 +308,9 @@ def _run_backward_in_chunks(
         chunk = dataclasses.replace(shape, batch=part.stop - part.start)
         _run_backward_kernels(
             chunk,
-            compiled or kernels.get_backward(chunk, target, gradients=gradients),
+            compiled
+            if compiled is not None
+            else kernels.get_backward(chunk, target, gradients=gradients),
             grad_output[part],
             input[part],
             offset[part],
