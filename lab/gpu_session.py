@@ -17,8 +17,9 @@ call cut short keeps what was done; the exit code is non-zero if any step failed
    and the backward's in float32), compiled in parallel processes into the kernel cache;
 4. check: random configurations against torchvision's CUDA ``deform_conv2d`` (float32, and
    float16/bfloat16 against float32 on the upcast inputs), the five gradients of a few against
-   torchvision's and repeated to the bit, and a CUDA-graph capture on a side stream (fails if a
-   kernel leaves torch's current stream or the host synchronises);
+   torchvision's and repeated to the bit, a forward of 70000 images and a backward of 7300
+   (more than one launch's grid holds: they run in chunks), and a CUDA-graph capture on a side
+   stream (fails if a kernel leaves torch's current stream or the host synchronises);
 5. time: per workload and dtype, the median of CUDA-event timings of torchvision (where it has
    a kernel: not bfloat16), our default kernel (for any size) and tuned kernels (through their
    handles), the public ``deform_conv2d`` as users call it, the fused structure (the columns
@@ -161,6 +162,33 @@ def check_gradients(device: str, count: int = 4, seed: int = 1) -> list[dict]:
             }
         )
     return results
+
+
+def check_large_batch(device: str) -> dict:
+    """Our op against torchvision's (float32) on a forward of more images than a CUDA grid
+    axis holds (65535) and on a backward of more (image, tap) pairs of a 3x3 layer than it
+    holds (65535 / 9): on a GPU they run in chunks of images (``calls.images_per_call``)."""
+    import torchvision.ops
+
+    shape = ConvShape(70_000, 2, 5, 5, 2, 3, 3, pad_h=1, pad_w=1)
+    args = _inputs(shape, device, torch.float32)
+    forward = relative_error(deform_conv2d(**args), torchvision.ops.deform_conv2d(**args))
+    small = dataclasses.replace(shape, batch=7_300)
+    args = _inputs(small, device, torch.float32, seed=1)
+    names = ("input", "offset", "weight", "mask")
+    runs = []
+    for fn in (deform_conv2d, torchvision.ops.deform_conv2d):
+        leaves = {n: args[n].detach().clone().requires_grad_() for n in names}
+        out = fn(**(args | leaves))
+        runs.append(torch.autograd.grad(out, list(leaves.values()), torch.ones_like(out)))
+    errors = {n: relative_error(a, b) for n, a, b in zip(names, *runs, strict=True)}
+    return {
+        "forward_images": shape.batch,
+        "forward_error": forward,
+        "backward_images": small.batch,
+        "backward_errors": errors,
+        "passed": max(forward, *errors.values()) <= 2e-5,
+    }
 
 
 def first_kernel(device: str) -> dict:
@@ -724,6 +752,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lambda: check_gradients(args.device),
         lambda value: all(c["passed"] for c in value),
     )
+    step("large_batch", lambda: check_large_batch(args.device), lambda v: v["passed"])
     if cuda:
         step("stream", lambda: check_stream_capture(suite["demo_64x56x56"]), lambda v: v is True)
     partial: list[dict] = []

@@ -48,6 +48,8 @@ def test_gpu_session_steps_run_on_the_cpu(tmp_path):
     timed = [r for r in results["time"]["value"] if r["implementation"] == "tvm_deform default"]
     assert timed and all(r["split_parts"] == 1 for r in timed)  # a CUDA rule
     assert results["gradients"]["ok"]
+    large = results["large_batch"]["value"]
+    assert results["large_batch"]["ok"] and large["forward_images"] > 65535
     assert "time_so_far" not in results
     table = (tmp_path / "gpu_results.md").read_text()
     assert "demo_64x56x56" in table and "speed-up over torchvision" in table
