@@ -144,11 +144,10 @@ def check_gradients(device: str, count: int = 4, seed: int = 1) -> list[dict]:
     for index, shape in enumerate(check_shapes(count, seed)):
         args = _inputs(shape, device, torch.float32, seed=index)
         present = [n for n in names if args[n] is not None]
-        runs = []
-        for fn in (deform_conv2d, deform_conv2d, torchvision.ops.deform_conv2d):
-            leaves = {n: args[n].detach().clone().requires_grad_() for n in present}
-            out = fn(**(args | leaves))
-            runs.append(torch.autograd.grad(out, list(leaves.values()), torch.ones_like(out)))
+        runs = [
+            _gradients(fn, args, present)
+            for fn in (deform_conv2d, deform_conv2d, torchvision.ops.deform_conv2d)
+        ]
         errors = {
             n: relative_error(a, c) for n, a, c in zip(present, runs[0], runs[2], strict=True)
         }
@@ -164,6 +163,14 @@ def check_gradients(device: str, count: int = 4, seed: int = 1) -> list[dict]:
     return results
 
 
+def _gradients(fn: Callable, args: dict, names: Sequence[str]) -> tuple[torch.Tensor, ...]:
+    """The gradients of ``fn(**args)`` (an op with ``deform_conv2d``'s signature), summed over
+    its output, with respect to the arguments ``names``."""
+    leaves = {n: args[n].detach().clone().requires_grad_() for n in names}
+    out = fn(**(args | leaves))
+    return torch.autograd.grad(out, list(leaves.values()), torch.ones_like(out))
+
+
 def check_large_batch(device: str) -> dict:
     """Our op against torchvision's (float32) on a forward of more images than a CUDA grid
     axis holds (65535) and on a backward of more (image, tap) pairs of a 3x3 layer than it
@@ -176,11 +183,7 @@ def check_large_batch(device: str) -> dict:
     small = dataclasses.replace(shape, batch=7_300)
     args = _inputs(small, device, torch.float32, seed=1)
     names = ("input", "offset", "weight", "mask")
-    runs = []
-    for fn in (deform_conv2d, torchvision.ops.deform_conv2d):
-        leaves = {n: args[n].detach().clone().requires_grad_() for n in names}
-        out = fn(**(args | leaves))
-        runs.append(torch.autograd.grad(out, list(leaves.values()), torch.ones_like(out)))
+    runs = [_gradients(fn, args, names) for fn in (deform_conv2d, torchvision.ops.deform_conv2d)]
     errors = {n: relative_error(a, b) for n, a, b in zip(names, *runs, strict=True)}
     return {
         "forward_images": shape.batch,
