@@ -2,8 +2,7 @@
 size and for any size, as the op compiles it (``kernels.compile_backward``: the gradients
 kernel and the input's scatter), without a GPU: how long TVM takes to compile it to CUDA
 source, and what nvcc makes of it (kernels, registers, shared memory, stack frames, spills).
-The input's scatter for one size keeps its image plane in local memory, a stack frame by
-design. A Markdown table on stdout.
+A Markdown table on stdout.
 
     .venv/bin/python lab/cuda_backward_build.py [--arch sm_90] \
         > docs/results/<cpu>/cuda-backward-build.md

@@ -165,6 +165,15 @@ def grad_input_channel_block(shape: ConvShape, target: Target) -> int:
     return grad_input_block(shape, target)
 
 
+def grad_input_planes(target: Target) -> str:
+    """Where the input's scatter on ``target`` keeps the planes it adds into
+    (``definition.grad_input(plane_scope=...)``): "global" on a CPU (a block's own buffer);
+    "workspace" on a GPU, a scratch buffer of every plane that the call passes. (A plane in
+    local memory would have the GPU reserve its size for every thread it can hold at once:
+    18 GB for a 100x168 plane on an H100's 132 SMs.)"""
+    return "global" if target.kind.name == "llvm" else "workspace"
+
+
 def channels_last_columns(shape: ConvShape, target: Target) -> bool:
     """Whether the backward kernels of ``shape`` on ``target`` lay the column gradient out
     channels-last, ``[n, p, k * channels + c]`` (on a CPU where two or more vectors fill the

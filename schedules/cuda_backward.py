@@ -29,9 +29,10 @@
   registers. Stages that are not arguments of the PrimFunc live in scratch memory, which comes
   from torch's caching allocator (see :mod:`tvm_deform.runtime.workspace`).
 - ``GradInputCUDA`` for ``deform_conv2d_grad_input``, the scatter: one thread per (n, c)
-  image plane, accumulating into a plane of its own in local memory (the definition's
-  ``plane_scope="local"``) in the definition's order, then writing it out. Planes never share
-  memory, so no atomics are needed and the gradient is the same bits on every run.
+  image plane, accumulating into a plane of its own in a scratch buffer the call passes (the
+  definition's ``plane_scope="workspace"``) in the definition's order, then writing it out.
+  Planes never share memory, so no atomics are needed and the gradient is the same bits on
+  every run.
 
 ``emulate=True`` applies the same structure without the thread bindings and with the shared
 buffers in global memory, so that an LLVM target can run it: the tests check on the CPU that it

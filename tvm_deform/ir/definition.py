@@ -874,9 +874,9 @@ def grad_input(
     Each (n, c) image plane is filled by one block, which adds every sample's gradient
     (``grad_columns`` times the corner coefficient) into the four input pixels it was sampled
     from, in a fixed order (tap, then pixel, then corner), into a plane held in the accumulator
-    dtype (in memory of ``plane_scope``: "local" on a GPU, where each thread fills its own
-    plane; "workspace": a scratch buffer of every plane that the caller passes, an argument
-    before ``grad_input``, for a GPU kernel for any size).
+    dtype (in memory of ``plane_scope``: "global", a buffer of the block's own; "workspace", a
+    scratch buffer of every plane that the caller passes, an argument before ``grad_input``,
+    for a GPU, where each thread fills its own plane).
     Planes never share memory, so a schedule can run the blocks in parallel without
     atomics and the result is bit-identical from run to run.
 
@@ -1089,8 +1089,9 @@ def _grad_input(
 
         return func
 
-    # A GPU kernel for any size: a thread cannot hold a plane of a size it does not know, and
-    # a kernel cannot allocate global memory; the caller passes a scratch buffer of them all.
+    # A GPU kernel: a kernel cannot allocate global memory, and a thread's plane in local
+    # memory would be reserved for every thread the GPU holds (nor could a kernel for any size
+    # size it); the caller passes a scratch buffer of them all.
     @T.prim_func(s_tir=True)
     def in_workspace(
         grad_columns: T.Buffer(columns_shape, acc),

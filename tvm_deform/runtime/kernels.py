@@ -66,7 +66,7 @@ class BackwardKernels(NamedTuple):
     quantum: int = definition.PIXEL_QUANTUM
     any_size: bool = False
     #: whether the input's scatter takes a scratch buffer of its planes (``[n, c, h, w]`` in
-    #: the accumulator dtype) before the gradient: a GPU kernel for any size
+    #: the accumulator dtype) before the gradient: the GPU kernels
     plane_workspace: bool = False
     #: whether the column gradient workspace is laid out ``[n, p, k * channels + c]`` rather
     #: than ``[n, c, k, p]`` (see :func:`tvm_deform.schedules.channels_last_columns`)
@@ -294,9 +294,7 @@ def compile_backward(
     }
     cuda = target.kind.name == "cuda"
     if gradients.input:
-        # On a GPU each thread's plane is its own: in local memory where its size is known,
-        # else in a scratch buffer the call passes.
-        scope = ("local" if sizes == "static" else "workspace") if cuda else "global"
+        scope = schedules.grad_input_planes(target)
         block = schedules.grad_input_channel_block(shape, target)
         func = definition.grad_input(shape, scope, sizes, quantum, block, channels_last)
         scatter = schedules.apply_default("grad_input", func, target)
@@ -542,7 +540,7 @@ def _any_size_backward(
             _describe(layer, target, op, "default"),
         )
         return _backward_kernels(module, layer, target, gradients)._replace(
-            quantum=quantum, any_size=True, plane_workspace=target.kind.name == "cuda"
+            quantum=quantum, any_size=True
         )
 
     return _memoised(("backward", layer, gradients, _target_text(target), "any"), load)
@@ -575,7 +573,10 @@ def _backward_kernels(
     scatter = module["deform_conv2d_grad_input"] if gradients.input else None
     channels_last = _channels_last_columns(shape, target, gradients)
     return BackwardKernels(
-        module["deform_conv2d_backward"], scatter, channels_last_columns=channels_last
+        module["deform_conv2d_backward"],
+        scatter,
+        plane_workspace=scatter is not None and schedules.grad_input_planes(target) == "workspace",
+        channels_last_columns=channels_last,
     )
 
 
