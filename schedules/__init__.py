@@ -165,13 +165,19 @@ def grad_input_channel_block(shape: ConvShape, target: Target) -> int:
     return grad_input_block(shape, target)
 
 
-def grad_input_planes(target: Target) -> str:
-    """Where the input's scatter on ``target`` keeps the planes it adds into
-    (``definition.grad_input(plane_scope=...)``): "global" on a CPU (a block's own buffer);
-    "workspace" on a GPU, a scratch buffer of every plane that the call passes. (A plane in
-    local memory would have the GPU reserve its size for every thread it can hold at once:
-    18 GB for a 100x168 plane on an H100's 132 SMs.)"""
-    return "global" if target.kind.name == "llvm" else "workspace"
+def grad_input_definition(
+    shape: ConvShape, target: Target, sizes: str = "static", quantum: int = definition.PIXEL_QUANTUM
+) -> tirx.PrimFunc:
+    """The PrimFunc of the input's gradient of ``shape`` on ``target`` (``sizes`` and the pixel
+    ``quantum`` as for ``definition.backward``): on a CPU the scatter, a block per plane (or
+    per vector of channels, reading the column gradient as the backward lays it out); on a GPU
+    the gather, a thread block per tile of a plane (``definition.grad_input_tiles``), since a
+    thread per plane would leave most of the GPU idle."""
+    if target.kind.name != "llvm":
+        return definition.grad_input_tiles(shape, sizes, quantum)
+    block = grad_input_channel_block(shape, target)
+    channels_last = channels_last_columns(shape, target)
+    return definition.grad_input(shape, "global", sizes, quantum, block, channels_last)
 
 
 def channels_last_columns(shape: ConvShape, target: Target) -> bool:

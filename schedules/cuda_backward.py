@@ -28,11 +28,12 @@
   channel's four corners once for them, and computes their derivative coefficients in
   registers. Stages that are not arguments of the PrimFunc live in scratch memory, which comes
   from torch's caching allocator (see :mod:`tvm_deform.runtime.workspace`).
-- ``GradInputCUDA`` for ``deform_conv2d_grad_input``, the scatter: one thread per (n, c)
-  image plane, accumulating into a plane of its own in a scratch buffer the call passes (the
-  definition's ``plane_scope="workspace"``) in the definition's order, then writing it out.
-  Planes never share memory, so no atomics are needed and the gradient is the same bits on
-  every run.
+- ``GradInputCUDA`` for ``deform_conv2d_grad_input`` as a gather
+  (``definition.grad_input_tiles``): a thread block per (image, run of channels, 8x8 tile of
+  the input plane), a thread per channel summing the tile's pixels in shared memory. Each
+  thread adds the samples that land in its tile in the scatter's order and no two threads
+  write the same sum, so no atomics are needed and the gradient is the same bits on every run
+  (and the scatter's bits).
 
 ``emulate=True`` applies the same structure without the thread bindings and with the shared
 buffers in global memory, so that an LLVM target can run it: the tests check on the CPU that it
@@ -332,14 +333,15 @@ def _tile(tiles: tuple[tuple[int, int], ...], extent: int) -> tuple[int, int] | 
 
 
 class GradInputCUDA(Rule):
-    """The CUDA schedule of the input's gradient: one thread per image plane. Its space is the
-    default alone."""
+    """The CUDA schedule of the input's gradient (``definition.grad_input_tiles``): the boxes
+    one thread each; the gather a thread block per (image, run of channels, tile), a thread
+    per channel (lane), the tile's sums in shared memory. Its space is the default alone."""
 
     kernel = "grad_input"
     target_kind = "cuda"
 
-    #: threads per block (planes per block)
-    threads = 32
+    #: threads per block of the boxes' stages
+    threads = 256
 
     def __init__(self, emulate: bool = False):
         self.emulate = emulate
@@ -348,11 +350,16 @@ class GradInputCUDA(Rule):
         self, func: tirx.PrimFunc, target: Target, tunable: bool = False
     ) -> s_tir.Schedule | None:
         sch = s_tir.Schedule(func)
-        try:
-            block = sch.get_sblock("grad_input")
-        except Exception:  # noqa: BLE001 - not the scatter PrimFunc
-            return None
-        thread_per_element(sch, block, self.threads, self.emulate)
+        if "gather" not in _names(sch):
+            return None  # not the gather of definition.grad_input_tiles
+        for name in ("segment_boxes", "row_boxes"):
+            thread_per_element(sch, sch.get_sblock(name), self.threads, self.emulate)
+        lane = sch.get_sblock("gather_lane")
+        if self.emulate:
+            sch.set_scope(lane, 0, "global")
+        else:
+            sch.bind(sch.fuse(*sch.get_loops(sch.get_sblock("gather"))), "blockIdx.x")
+            sch.bind(sch.get_loops(lane)[0], "threadIdx.x")
         return sch
 
 

@@ -727,7 +727,7 @@ def emulated_backward(
 ):
     """The CUDA backward rules' schedules of ``layer`` (``sizes`` as for
     :func:`definition.backward`; for any size, the offset and mask read at a clamped pixel
-    index, as on a GPU; the scatter's planes in a scratch buffer), compiled for this CPU
+    index, as on a GPU; the input's gradient gathered by tiles), compiled for this CPU
     without the thread bindings: (the gradients kernel's schedule, the kernels as the op
     calls them). ``gradients``: that schedule, if not the default's."""
     from tvm_deform.schedules.cuda_backward import BackwardCUDA, GradInputCUDA
@@ -738,7 +738,7 @@ def emulated_backward(
     quantum = quantum or definition.PIXEL_QUANTUM
     func = definition.backward(layer, definition.ALL_GRADIENTS, sizes, quantum, not any_size)
     gradients = gradients or BackwardCUDA(emulate=True).apply(func, host)
-    func = definition.grad_input(layer, "workspace", sizes, quantum)
+    func = definition.grad_input_tiles(layer, sizes, quantum)
     scatter = GradInputCUDA(emulate=True).apply(func, host)
     symbol = "deform_conv2d_backward"
     module = tvm.IRModule(
@@ -748,10 +748,69 @@ def emulated_backward(
         }
     )
     built = tvm.compile(module, target=host)
-    kernels = BackwardKernels(
-        built[symbol], built["deform_conv2d_grad_input"], quantum, any_size, plane_workspace=True
-    )
+    kernels = BackwardKernels(built[symbol], built["deform_conv2d_grad_input"], quantum, any_size)
     return gradients, kernels
+
+
+def random_geometry(shape: ConvShape, any_size: bool, seed: int):
+    """Workspaces for the input's gradient of ``shape`` as the backward kernel writes them:
+    random sample corners (inside or up to two pixels outside the image, clamped, their
+    coefficients zero outside), random coefficients and column gradients."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = definition.backward_buffer_shapes(shape, any_size=any_size)
+    pixels = shape.out_h * shape.out_w
+    rows = torch.zeros(shapes["sample_rows"], dtype=torch.int32)
+    cols = torch.zeros_like(rows)
+    coef = torch.zeros(shapes["sample_coef"])
+    coef[..., :pixels] = torch.rand(coef[..., :pixels].shape, generator=g)
+    for buffer, size, axis in (
+        (rows, shape.height, lambda q: q // 2),
+        (cols, shape.width, lambda q: q % 2),
+    ):
+        first = torch.randint(-2, size + 1, (*rows.shape[:3], pixels), generator=g)
+        for corner in range(2):
+            buffer[..., corner, :pixels] = (first + corner).clamp(0, size - 1)
+            outside = (first + corner < 0) | (first + corner >= size)
+            for q in (q for q in range(4) if axis(q) == corner):
+                coef[..., q, :pixels][outside] = 0
+    columns = torch.randn(shapes["grad_columns"], generator=g)
+    return columns, rows, cols, coef
+
+
+#: layers for the input's gather: two runs of 32 lanes; 37 channels in two runs of 19 lanes,
+#: the last lane of the last run repeating a channel; a channel per offset group (one lane);
+#: a strided, dilated 5x3 kernel of two offset groups
+GATHER_LAYERS = [
+    ConvShape(2, 64, 13, 21, 8, 3, 3, pad_h=1, pad_w=1),
+    ConvShape(1, 37, 11, 9, 8, 3, 1, stride_h=2, pad_h=1),
+    ConvShape(2, 4, 17, 6, 4, 3, 3, pad_h=1, pad_w=1, offset_groups=4),
+    ConvShape(1, 16, 23, 30, 8, 5, 3, 2, 1, 2, 1, 2, 1, offset_groups=2),
+]
+
+
+@pytest.mark.parametrize("sizes", ["static", "symbolic"])
+def test_the_gpus_input_gather_gives_the_scatters_bits(sizes):
+    """The GPU's input gradient, gathered by tiles of the plane (``grad_input_tiles`` as the
+    CUDA rule schedules it, emulated), is bit for bit the scatter's (``grad_input``, a plane
+    at a time in the order tap, pixel, corner), from the same workspaces: random corners,
+    some clamped with a zero coefficient, landing anywhere in the plane."""
+    from tvm_deform.schedules.cuda_backward import GradInputCUDA
+
+    host = targets.host_target()
+    for seed, shape in enumerate(GATHER_LAYERS):
+        layer = shape.any_size() if sizes == "symbolic" else shape
+        gather = GradInputCUDA(emulate=True).apply(definition.grad_input_tiles(layer, sizes), host)
+        scatter = definition.grad_input(layer, "global", sizes)
+        workspaces = random_geometry(shape, sizes == "symbolic", seed)
+        results = []
+        for func in (gather.mod["main"], scatter):
+            result = torch.full((shape.batch, shape.in_channels, shape.height, shape.width), 7.0)
+            tvm.compile(tvm.IRModule({"main": func}), target=host)(
+                *map(tvm.runtime.from_dlpack, (*workspaces, result))
+            )
+            results.append(result)
+        assert results[1].abs().sum() > 0
+        assert torch.equal(*results), shape
 
 
 @pytest.mark.parametrize("cfg", CONFIGS[:8], ids=[f"cfg{i}" for i in range(8)])
@@ -785,8 +844,8 @@ def test_emulated_cuda_backward_matches_torchvision(cfg):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_emulated_cuda_backward_for_any_size_matches_torchvision(dtype):
-    """The CUDA backward kernels for any size (the input's planes in a scratch buffer the call
-    passes), without the thread bindings, run on the CPU at sizes no suite names: every
+    """The CUDA backward kernels for any size (the input's gradient gathered by tiles),
+    without the thread bindings, run on the CPU at sizes no suite names: every
     gradient against torchvision's in float64 on the same (upcast) inputs, in float32 also
     against torchvision's own, and the same bits twice. Of the half types, bfloat16 only:
     float16 goes through the same casts (the CPU's backward tests both)."""
@@ -978,7 +1037,7 @@ def test_every_suite_layers_backward_for_any_size_builds_to_machine_code(arch):
     """Every suite layer's CUDA backward kernels for any size build with nvcc: no spills, no
     stack frame, no atomics; the two GEMMs (column and weight gradients) stage their chunks in
     shared memory within the budget, except where a group's channels are too few to tile (the
-    seed and depthwise layers)."""
+    seed and depthwise layers); the input's gather keeps one tile of sums a lane there."""
     import concurrent.futures
 
     from tvm_deform.runtime import kernels
@@ -997,15 +1056,21 @@ def test_every_suite_layers_backward_for_any_size_builds_to_machine_code(arch):
     for name, source, built in built_layers:
         assert "atomic" not in source, name
         assert not built.spills(), name
-        staged = [
-            int(m.group(1))
-            for m in re.finditer(r"(\d+) bytes smem", "\n".join(built.kernels.values()))
-        ]
+        staged = {
+            kernel: [int(m) for m in re.findall(r"(\d+) bytes smem", report)]
+            for kernel, report in built.kernels.items()
+        }
+        gemms = [b for k, v in staged.items() if k.startswith("deform_conv2d_backward") for b in v]
         if name == "seed" or name.startswith("depthwise"):  # 3 and 1 channels per group
-            assert not staged, name
+            assert not gemms, name
         else:
-            assert len(staged) == 2 and max(staged) <= STATIC_SHARED_MEMORY, (name, staged)
-        assert len(built.kernels) <= 14, (name, list(built.kernels))
+            assert len(gemms) == 2 and max(gemms) <= STATIC_SHARED_MEMORY, (name, staged)
+        tile = definition.GRAD_INPUT_TILE[0] * definition.GRAD_INPUT_TILE[1] * 4
+        gather = [
+            b for k, v in staged.items() if k.startswith("deform_conv2d_grad_input") for b in v
+        ]
+        assert gather == [tile * definition.grad_input_lanes(SUITE[name])], (name, staged)
+        assert len(built.kernels) <= 16, (name, list(built.kernels))
 
 
 @needs_nvcc

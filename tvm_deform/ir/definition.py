@@ -27,7 +27,8 @@ The weight is declared as ``[O, C / groups, kh * kw]`` for the same reason.
 The backward is two PrimFuncs over the same geometry (:func:`backward`, :func:`grad_input`):
 every gradient but the input's is a gather or an ordered reduction and so a TE compute; the
 input's gradient is a scatter, written in TVMScript as one block per image plane, so that no two
-blocks write the same memory and no atomics are needed (deterministic gradients).
+blocks write the same memory and no atomics are needed (deterministic gradients). For a GPU,
+:func:`grad_input_tiles` computes the same sums as a gather, one block per tile of a plane.
 
 The sampling rule is torchvision's: a point is zero when ``y <= -1``,
 ``y >= H``, ``x <= -1`` or ``x >= W``; otherwise the four corners around it are weighted
@@ -874,9 +875,8 @@ def grad_input(
     Each (n, c) image plane is filled by one block, which adds every sample's gradient
     (``grad_columns`` times the corner coefficient) into the four input pixels it was sampled
     from, in a fixed order (tap, then pixel, then corner), into a plane held in the accumulator
-    dtype (in memory of ``plane_scope``: "global", a buffer of the block's own; "workspace", a
-    scratch buffer of every plane that the caller passes, an argument before ``grad_input``,
-    for a GPU, where each thread fills its own plane).
+    dtype, a buffer of the block's own in memory of ``plane_scope``. (A GPU takes
+    :func:`grad_input_tiles`, the same sums spread over tiles of the plane.)
     Planes never share memory, so a schedule can run the blocks in parallel without
     atomics and the result is bit-identical from run to run.
 
@@ -910,6 +910,264 @@ def grad_input(
             func = _grad_input(shape, plane_scope, sizes, pixel_quantum)
     if sizes == "symbolic":
         func = func.with_attr("pixel_quantum", pixel_quantum)
+    return func
+
+
+#: (rows, columns) of the input plane one thread block of :func:`grad_input_tiles` gathers
+GRAD_INPUT_TILE = (8, 8)
+#: output pixels along a row whose sample corners share one bounding box in
+#: :func:`grad_input_tiles`
+GRAD_INPUT_SEGMENT = 8
+
+
+def grad_input_lanes(shape: ConvShape) -> int:
+    """The lanes (channels) of a block of :func:`grad_input_tiles`: an offset group's channels
+    split into the fewest runs of at most 32 (a warp)."""
+    per_group = shape.in_channels // shape.offset_groups
+    runs = -(-per_group // 32)
+    return -(-per_group // runs)
+
+
+def grad_input_tiles(
+    shape: ConvShape,
+    sizes: str = "static",
+    pixel_quantum: int = PIXEL_QUANTUM,
+    tile_scope: str = "shared",
+    lanes: int | None = None,
+) -> tirx.PrimFunc:
+    """The input's gradient as a gather over tiles of the input plane (for a GPU): the sums of
+    :func:`grad_input`, the same terms in the same order, so the same bits.
+
+    :func:`grad_input`'s scatter runs a whole plane in one block; on a GPU that is one thread
+    per (image, channel), each adding every sample of its plane in turn. Here the plane is cut
+    into tiles of :data:`GRAD_INPUT_TILE`, each filled by a block of its own, so that the work
+    spreads over images x channels x tiles:
+
+    1. ``segment_boxes[n, g, k, oy, s]``: the rows and columns (min, max) that the corners with
+       a nonzero coefficient of tap ``k`` reach from the output pixels ``s`` of row ``oy`` (in
+       segments of :data:`GRAD_INPUT_SEGMENT` pixels); ``row_boxes[n, g, k, oy]``, their union
+       over the row. An empty box has its minimum above its maximum.
+    2. ``gather``: one block per (image, offset group, run of ``lanes`` of its channels,
+       tile), with a buffer of the tile's sums for each lane (``[pixel, lane]``, in memory of
+       ``tile_scope``). Each lane (a channel) goes through the taps and output rows whose box
+       meets the tile, their segments that meet it, and adds each corner that lands in the
+       tile, in the order of the scatter (tap, pixel, corner), then writes the tile out.
+       A block's lanes read the same samples; a last run's lanes past the group's channels
+       repeat its last channel without writing it.
+
+    A corner with a zero coefficient adds nothing and is skipped (the scatter adds its zero).
+    ``lanes``: by default :func:`grad_input_lanes`. Arguments as for :func:`grad_input`.
+    """
+    lanes = lanes or grad_input_lanes(shape)
+    if not 1 <= lanes <= 1024:
+        raise ValueError(f"a block of the gather takes 1 to 1024 lanes, got {lanes}")
+    with pseudo_frames_answered_at_once():
+        func = _grad_input_tiles(shape, sizes, pixel_quantum, tile_scope, lanes)
+    if sizes == "symbolic":
+        func = func.with_attr("pixel_quantum", pixel_quantum)
+    return func
+
+
+def _grad_input_tiles(
+    shape: ConvShape, sizes: str, pixel_quantum: int, tile_scope: str, lanes: int
+) -> tirx.PrimFunc:
+    dtype, acc = shape.dtype, shape.accumulator_dtype
+    extents = _grad_input_extents(shape, sizes, pixel_quantum)
+    n_, c_, h_, w_, taps, pixels, per_group = extents[:7]
+    columns_shape, rows_shape, coef_shape, input_shape = extents[7:]
+    sized = dataclasses.replace(shape, batch=n_, height=h_, width=w_)
+    oh_, ow_ = sized.out_h, sized.out_w
+    groups = shape.offset_groups
+    (th, tw), seg = GRAD_INPUT_TILE, GRAD_INPUT_SEGMENT
+    segments = (ow_ + seg - 1) // seg
+    runs = (per_group + lanes - 1) // lanes
+    tiles_y, tiles_x = (h_ + th - 1) // th, (w_ + tw - 1) // tw
+    empty = (2**30, -1)  # (minimum, maximum) of an empty box
+    zero = tirx.const(0, acc)
+
+    # Plain functions, called while the TVMScript below is parsed (a name assigned in
+    # TVMScript would be a one-element buffer).
+    def first(oy, s):
+        # The first output pixel of segment s of row oy.
+        return oy * ow_ + s * seg
+
+    def channel(g, run, lane):
+        # The channel of a lane of a run of offset group g; the lanes past the group's last
+        # channel repeat it (and do not write it).
+        return g * per_group + T.min(run * lanes + lane, per_group - 1)
+
+    def meets(box, index, ty, tx):
+        # Whether the box at index (without its last axis) reaches tile (ty, tx).
+        return tirx.all(
+            box[(*index, 1)] >= ty * th,
+            box[(*index, 0)] < ty * th + th,
+            box[(*index, 3)] >= tx * tw,
+            box[(*index, 2)] < tx * tw + tw,
+        )
+
+    def offsets(rows, cols, sample, ty, tx):
+        # The (row, column) corner q of sample (image, group, tap, q, pixel) lands at in
+        # tile (ty, tx).
+        image, group, k, q, p = sample
+        return rows[image, group, k, q // 2, p] - ty * th, cols[image, group, k, q % 2, p] - tx * tw
+
+    def lands(rows, cols, coef, sample, ty, tx):
+        # Whether corner q of the sample adds into tile (ty, tx).
+        y, x = offsets(rows, cols, sample, ty, tx)
+        return tirx.all(coef[sample] != zero, 0 <= y, y < th, 0 <= x, x < tw)
+
+    def place(rows, cols, sample, ty, tx):
+        # Where corner q of the sample lands in tile (ty, tx).
+        y, x = offsets(rows, cols, sample, ty, tx)
+        return y * tw + x
+
+    @T.prim_func(s_tir=True)
+    def func(
+        grad_columns: T.Buffer(columns_shape, acc),
+        sample_rows: T.Buffer(rows_shape, "int32"),
+        sample_cols: T.Buffer(rows_shape, "int32"),
+        sample_coef: T.Buffer(coef_shape, acc),
+        grad_input: T.Buffer(input_shape, dtype),
+    ):
+        T.func_attr({"global_symbol": "deform_conv2d_grad_input", "tirx.noalias": True})
+        segment_boxes = T.alloc_buffer((n_, groups, taps, oh_, segments, 4), "int32")
+        row_boxes = T.alloc_buffer((n_, groups, taps, oh_, 4), "int32")
+        for n, g, k, oy, s in T.grid(n_, groups, taps, oh_, segments):
+            with T.sblock("segment_boxes"):
+                vn, vg, vk, vy, vs = T.axis.remap("SSSSS", [n, g, k, oy, s])
+                T.reads(
+                    sample_rows[vn, vg, vk, 0:2, first(vy, vs) : first(vy, vs) + seg],
+                    sample_cols[vn, vg, vk, 0:2, first(vy, vs) : first(vy, vs) + seg],
+                    sample_coef[vn, vg, vk, 0:4, first(vy, vs) : first(vy, vs) + seg],
+                )
+                T.writes(segment_boxes[vn, vg, vk, vy, vs, 0:4])
+                box = T.sblock_alloc_buffer((4,), "int32", scope="local")
+                for i in T.unroll(4):
+                    box[i] = T.if_then_else(i % 2 == 0, empty[0], empty[1])
+                for x in range(seg):
+                    if vs * seg + x < ow_:
+                        for q in T.unroll(4):
+                            if sample_coef[vn, vg, vk, q, first(vy, vs) + x] != zero:
+                                box[0] = T.min(
+                                    box[0], sample_rows[vn, vg, vk, q // 2, first(vy, vs) + x]
+                                )
+                                box[1] = T.max(
+                                    box[1], sample_rows[vn, vg, vk, q // 2, first(vy, vs) + x]
+                                )
+                                box[2] = T.min(
+                                    box[2], sample_cols[vn, vg, vk, q % 2, first(vy, vs) + x]
+                                )
+                                box[3] = T.max(
+                                    box[3], sample_cols[vn, vg, vk, q % 2, first(vy, vs) + x]
+                                )
+                for i in T.unroll(4):
+                    segment_boxes[vn, vg, vk, vy, vs, i] = box[i]
+        for n, g, k, oy in T.grid(n_, groups, taps, oh_):
+            with T.sblock("row_boxes"):
+                vn, vg, vk, vy = T.axis.remap("SSSS", [n, g, k, oy])
+                T.reads(segment_boxes[vn, vg, vk, vy, 0:segments, 0:4])
+                T.writes(row_boxes[vn, vg, vk, vy, 0:4])
+                box = T.sblock_alloc_buffer((4,), "int32", scope="local")
+                for i in T.unroll(4):
+                    box[i] = T.if_then_else(i % 2 == 0, empty[0], empty[1])
+                for s in range(segments):
+                    for i in T.unroll(4):
+                        box[i] = T.if_then_else(
+                            i % 2 == 0,
+                            T.min(box[i], segment_boxes[vn, vg, vk, vy, s, i]),
+                            T.max(box[i], segment_boxes[vn, vg, vk, vy, s, i]),
+                        )
+                for i in T.unroll(4):
+                    row_boxes[vn, vg, vk, vy, i] = box[i]
+        for n, g, r, ty, tx in T.grid(n_, groups, runs, tiles_y, tiles_x):
+            with T.sblock("gather"):
+                vn, vg, vr, vty, vtx = T.axis.remap("SSSSS", [n, g, r, ty, tx])
+                T.reads(
+                    row_boxes[vn, vg, 0:taps, 0:oh_, 0:4],
+                    segment_boxes[vn, vg, 0:taps, 0:oh_, 0:segments, 0:4],
+                    sample_rows[vn, vg, 0:taps, 0:2, 0:pixels],
+                    sample_cols[vn, vg, 0:taps, 0:2, 0:pixels],
+                    sample_coef[vn, vg, 0:taps, 0:4, 0:pixels],
+                    grad_columns[vn, vg * per_group : vg * per_group + per_group, 0:taps, 0:pixels],
+                )
+                T.writes(
+                    grad_input[
+                        vn,
+                        vg * per_group : vg * per_group + per_group,
+                        vty * th : vty * th + th,
+                        vtx * tw : vtx * tw + tw,
+                    ]
+                )
+                sums = T.sblock_alloc_buffer((th * tw, lanes), acc, scope=tile_scope)
+                for lane in range(lanes):
+                    with T.sblock("gather_lane"):
+                        vl = T.axis.spatial(lanes, lane)
+                        T.reads(
+                            row_boxes[vn, vg, 0:taps, 0:oh_, 0:4],
+                            segment_boxes[vn, vg, 0:taps, 0:oh_, 0:segments, 0:4],
+                            sample_rows[vn, vg, 0:taps, 0:2, 0:pixels],
+                            sample_cols[vn, vg, 0:taps, 0:2, 0:pixels],
+                            sample_coef[vn, vg, 0:taps, 0:4, 0:pixels],
+                            grad_columns[vn, channel(vg, vr, vl), 0:taps, 0:pixels],
+                        )
+                        T.writes(
+                            sums[0 : th * tw, vl],
+                            grad_input[
+                                vn,
+                                channel(vg, vr, vl),
+                                vty * th : vty * th + th,
+                                vtx * tw : vtx * tw + tw,
+                            ],
+                        )
+                        # Each lane reads and writes its own sums only: no barrier is needed
+                        # (TVM's barrier planner, which cannot tell, skips this region).
+                        with T.attr(0, "hand_threaded", 0):
+                            for i in range(th * tw):
+                                sums[i, vl] = zero
+                            for k, oy in T.grid(taps, oh_):
+                                if meets(row_boxes, (vn, vg, k, oy), vty, vtx):
+                                    for s in range(segments):
+                                        if meets(segment_boxes, (vn, vg, k, oy, s), vty, vtx):
+                                            for x in range(seg):
+                                                if s * seg + x < ow_:
+                                                    p = T.bind(first(oy, s) + x)
+                                                    for q in T.unroll(4):
+                                                        if lands(
+                                                            sample_rows,
+                                                            sample_cols,
+                                                            sample_coef,
+                                                            (vn, vg, k, q, p),
+                                                            vty,
+                                                            vtx,
+                                                        ):
+                                                            at = T.bind(
+                                                                place(
+                                                                    sample_rows,
+                                                                    sample_cols,
+                                                                    (vn, vg, k, q, p),
+                                                                    vty,
+                                                                    vtx,
+                                                                )
+                                                            )
+                                                            sums[at, vl] += (
+                                                                sample_coef[vn, vg, k, q, p]
+                                                                * grad_columns[
+                                                                    vn, channel(vg, vr, vl), k, p
+                                                                ]
+                                                            )
+                            for i in range(th * tw):
+                                if (
+                                    vr * lanes + vl < per_group
+                                    and vty * th + i // tw < h_
+                                    and vtx * tw + i % tw < w_
+                                ):
+                                    grad_input[
+                                        vn,
+                                        channel(vg, vr, vl),
+                                        vty * th + i // tw,
+                                        vtx * tw + i % tw,
+                                    ] = T.cast(sums[i, vl], dtype)
+
     return func
 
 
@@ -1058,59 +1316,30 @@ def _grad_input(
             coefs[image, channel // per_group, 0:taps, 0:4, 0:pixels],
         )
 
-    # Only the variant asked for is parsed (TVMScript parses at the decorator).
-    if plane_scope != "workspace":
-
-        @T.prim_func(s_tir=True)
-        def func(
-            grad_columns: T.Buffer(columns_shape, acc),
-            sample_rows: T.Buffer(rows_shape, "int32"),
-            sample_cols: T.Buffer(rows_shape, "int32"),
-            sample_coef: T.Buffer(coef_shape, acc),
-            grad_input: T.Buffer(input_shape, dtype),
-        ):
-            T.func_attr({"global_symbol": "deform_conv2d_grad_input", "tirx.noalias": True})
-            for n, c in T.grid(n_, c_):
-                with T.sblock("grad_input"):
-                    vn, vc = T.axis.remap("SS", [n, c])
-                    reads(vn, vc, grad_columns, sample_rows, sample_cols, sample_coef)
-                    T.writes(grad_input[vn, vc, 0:h_, 0:w_])
-                    plane = T.sblock_alloc_buffer((h_, w_), acc, scope=plane_scope)
-                    scatter(
-                        plane,
-                        vn,
-                        vc,
-                        grad_columns,
-                        sample_rows,
-                        sample_cols,
-                        sample_coef,
-                        grad_input,
-                    )
-
-        return func
-
-    # A GPU kernel: a kernel cannot allocate global memory, and a thread's plane in local
-    # memory would be reserved for every thread the GPU holds (nor could a kernel for any size
-    # size it); the caller passes a scratch buffer of them all.
     @T.prim_func(s_tir=True)
-    def in_workspace(
+    def func(
         grad_columns: T.Buffer(columns_shape, acc),
         sample_rows: T.Buffer(rows_shape, "int32"),
         sample_cols: T.Buffer(rows_shape, "int32"),
         sample_coef: T.Buffer(coef_shape, acc),
-        planes: T.Buffer(input_shape, acc),
         grad_input: T.Buffer(input_shape, dtype),
     ):
         T.func_attr({"global_symbol": "deform_conv2d_grad_input", "tirx.noalias": True})
         for n, c in T.grid(n_, c_):
             with T.sblock("grad_input"):
                 vn, vc = T.axis.remap("SS", [n, c])
-                # not its plane: the block zeroes it before reading it
                 reads(vn, vc, grad_columns, sample_rows, sample_cols, sample_coef)
-                T.writes(grad_input[vn, vc, 0:h_, 0:w_], planes[vn, vc, 0:h_, 0:w_])
-                plane = T.match_buffer(planes[vn, vc, 0:h_, 0:w_], (h_, w_), acc, offset_factor=1)
+                T.writes(grad_input[vn, vc, 0:h_, 0:w_])
+                plane = T.sblock_alloc_buffer((h_, w_), acc, scope=plane_scope)
                 scatter(
-                    plane, vn, vc, grad_columns, sample_rows, sample_cols, sample_coef, grad_input
+                    plane,
+                    vn,
+                    vc,
+                    grad_columns,
+                    sample_rows,
+                    sample_cols,
+                    sample_coef,
+                    grad_input,
                 )
 
-    return in_workspace
+    return func

@@ -371,8 +371,5 @@ def _run_backward_kernels(
     if grad_bias is not None:
         args.append(grad_bias)
     compiled.gradients(*args)
-    if grad_input is not None and compiled.plane_workspace:
-        planes = input.new_empty(input.shape, dtype=acc)
-        compiled.grad_input(*workspaces, planes, grad_input)
-    elif grad_input is not None:
+    if grad_input is not None:
         compiled.grad_input(*workspaces, grad_input)

@@ -65,9 +65,6 @@ class BackwardKernels(NamedTuple):
     #: (kernels for any size) or only past one quantum
     quantum: int = definition.PIXEL_QUANTUM
     any_size: bool = False
-    #: whether the input's scatter takes a scratch buffer of its planes (``[n, c, h, w]`` in
-    #: the accumulator dtype) before the gradient: the GPU kernels
-    plane_workspace: bool = False
     #: whether the column gradient workspace is laid out ``[n, p, k * channels + c]`` rather
     #: than ``[n, c, k, p]`` (see :func:`tvm_deform.schedules.channels_last_columns`)
     channels_last_columns: bool = False
@@ -294,9 +291,7 @@ def compile_backward(
     }
     cuda = target.kind.name == "cuda"
     if gradients.input:
-        scope = schedules.grad_input_planes(target)
-        block = schedules.grad_input_channel_block(shape, target)
-        func = definition.grad_input(shape, scope, sizes, quantum, block, channels_last)
+        func = schedules.grad_input_definition(shape, target, sizes, quantum)
         scatter = schedules.apply_default("grad_input", func, target)
         functions["deform_conv2d_grad_input"] = scatter.mod["main"]
     if cuda:
@@ -575,7 +570,6 @@ def _backward_kernels(
     return BackwardKernels(
         module["deform_conv2d_backward"],
         scatter,
-        plane_workspace=scatter is not None and schedules.grad_input_planes(target) == "workspace",
         channels_last_columns=channels_last,
     )
 
