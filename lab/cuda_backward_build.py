@@ -1,11 +1,11 @@
 """Build every suite layer's CUDA backward (every gradient) with its default schedules, per
 size and for any size, as the op compiles it (``kernels.compile_backward``: the gradients
-kernel and the input's scatter), without a GPU: how long TVM takes to compile it to CUDA
-source, and what nvcc makes of it (kernels, registers, shared memory, stack frames, spills).
-A Markdown table on stdout.
+kernel and the input's gradient, gathered by tiles), without a GPU: how long TVM takes to
+compile it to CUDA source, and what nvcc makes of it (kernels, registers, shared memory,
+stack frames, spills). A Markdown table on stdout.
 
     .venv/bin/python lab/cuda_backward_build.py [--arch sm_90] \
-        > docs/results/<cpu>/cuda-backward-build.md
+        > docs/results/sm90/cuda-backward-build-<commit>.md
 """
 
 from __future__ import annotations

@@ -158,8 +158,8 @@ def backward_pixel_quantum(shape: ConvShape, target: Target) -> int:
 
 def grad_input_channel_block(shape: ConvShape, target: Target) -> int:
     """The channels whose input-gradient planes one block of the CPU's scatter fills at once
-    (``definition.grad_input(..., channel_block=...)``); 1 on a GPU, whose threads each fill
-    one plane."""
+    (``definition.grad_input(..., channel_block=...)``); 1 off a CPU (a GPU gathers by tiles:
+    :func:`grad_input_definition`)."""
     if target.kind.name != "llvm":
         return 1
     return grad_input_block(shape, target)
@@ -177,7 +177,7 @@ def grad_input_definition(
         return definition.grad_input_tiles(shape, sizes, quantum)
     block = grad_input_channel_block(shape, target)
     channels_last = channels_last_columns(shape, target)
-    return definition.grad_input(shape, "global", sizes, quantum, block, channels_last)
+    return definition.grad_input(shape, sizes, quantum, block, channels_last)
 
 
 def channels_last_columns(shape: ConvShape, target: Target) -> bool:

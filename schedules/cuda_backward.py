@@ -33,7 +33,7 @@
   the input plane), a thread per channel summing the tile's pixels in shared memory. Each
   thread adds the samples that land in its tile in the scatter's order and no two threads
   write the same sum, so no atomics are needed and the gradient is the same bits on every run
-  (and the scatter's bits).
+  (and, for finite column gradients, the scatter's bits).
 
 ``emulate=True`` applies the same structure without the thread bindings and with the shared
 buffers in global memory, so that an LLVM target can run it: the tests check on the CPU that it

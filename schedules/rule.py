@@ -21,7 +21,7 @@ class Rule:
     :meth:`apply`."""
 
     #: the kernel of :mod:`tvm_deform.ir.definition` the rule schedules: "forward",
-    #: "backward" (every gradient but the input's) or "grad_input" (the input's scatter)
+    #: "backward" (every gradient but the input's) or "grad_input" (the input's)
     kernel: ClassVar[str]
     #: the target kind it schedules for: "llvm" or "cuda"
     target_kind: ClassVar[str]

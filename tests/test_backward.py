@@ -494,7 +494,7 @@ def test_the_input_scatter_in_blocks_of_channels_gives_the_same_bits(block):
         channels_last = args[0].permute(0, 3, 2, 1).contiguous().view(n, p, k * c)
         results = []
         for channel_block, layout in ((1, False), (block, False), (block, True)):
-            func = definition.grad_input(shape, "global", sizes, quantum, channel_block, layout)
+            func = definition.grad_input(shape, sizes, quantum, channel_block, layout)
             sch = schedules.apply_default("grad_input", func, target)
             kernel = kernels.compile_schedule(sch, target)["deform_conv2d_grad_input"]
             result = torch.empty(shape.batch, shape.in_channels, shape.height, shape.width)
@@ -504,9 +504,9 @@ def test_the_input_scatter_in_blocks_of_channels_gives_the_same_bits(block):
         assert torch.equal(results[0], results[1]), sizes
         assert torch.equal(results[0], results[2]), sizes
     with pytest.raises(ValueError, match="channel block"):
-        definition.grad_input(shape, "global", channel_block=32)
+        definition.grad_input(shape, channel_block=32)
     with pytest.raises(ValueError, match="blocks of channels"):
-        definition.grad_input(shape, "global", channel_block=1, channels_last_columns=True)
+        definition.grad_input(shape, channel_block=1, channels_last_columns=True)
 
 
 def test_the_column_gradient_is_channels_last_where_vectors_divide_an_offset_group():

@@ -800,7 +800,7 @@ def test_the_gpus_input_gather_gives_the_scatters_bits(sizes):
     for seed, shape in enumerate(GATHER_LAYERS):
         layer = shape.any_size() if sizes == "symbolic" else shape
         gather = GradInputCUDA(emulate=True).apply(definition.grad_input_tiles(layer, sizes), host)
-        scatter = definition.grad_input(layer, "global", sizes)
+        scatter = definition.grad_input(layer, sizes)
         workspaces = random_geometry(shape, sizes == "symbolic", seed)
         results = []
         for func in (gather.mod["main"], scatter):
@@ -811,6 +811,19 @@ def test_the_gpus_input_gather_gives_the_scatters_bits(sizes):
             results.append(result)
         assert results[1].abs().sum() > 0
         assert torch.equal(*results), shape
+
+
+def test_the_gathers_lanes_fit_shared_memory():
+    """A block of the gather runs an offset group's channels in the fewest runs of at most 32
+    lanes, and takes no more lanes than their sums fit 48 KiB of shared memory."""
+    shape = GATHER_LAYERS[0]
+    assert definition.grad_input_lanes(shape) == 32
+    assert definition.grad_input_lanes(dataclasses.replace(shape, in_channels=37)) == 19
+    assert definition.grad_input_lanes(GATHER_LAYERS[2]) == 1
+    definition.grad_input_tiles(shape, lanes=192)
+    for dtype, lanes in (("float32", 193), ("float64", 97), ("float32", 0)):
+        with pytest.raises(ValueError, match="lanes"):
+            definition.grad_input_tiles(dataclasses.replace(shape, dtype=dtype), lanes=lanes)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS[:8], ids=[f"cfg{i}" for i in range(8)])
@@ -1087,14 +1100,15 @@ def test_cuda_backward_builds_without_atomics(arch):
     assert machine.machine_arch == int(arch.removeprefix("sm_"))
     assert "deform_conv2d_grad_input_kernel" in machine.kernels
     assert len(machine.kernels) >= 10  # one kernel per stage of the gradients PrimFunc
-    assert not machine.spills()  # nor a stack frame: the scatter's planes are a workspace
+    assert not machine.spills()  # nor a stack frame
 
 
 @needs_nvcc
-def test_cuda_backward_of_a_large_plane_keeps_no_stack_frame():
-    """A detector-size batch passes int32, so its backward runs kernels for its own size; the
-    scatter's planes (200x336, 269 KB each) are a workspace, not a stack frame that the GPU
-    would reserve for each of its threads."""
+def test_cuda_backward_of_a_large_batch_builds_in_int64_without_a_stack_frame():
+    """A detector-size batch passes int32, so its backward runs kernels for its own size,
+    indexed in int64: they build with nvcc, and the input's gather keeps no stack frame (a
+    thread's plane of 200x336, 269 KB, once was one, which the GPU reserves for each of its
+    threads)."""
     from tvm_deform.runtime import kernels
 
     shape = ConvShape(16, 256, 200, 336, 256, 3, 3, pad_h=1, pad_w=1)

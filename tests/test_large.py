@@ -60,9 +60,13 @@ def test_buffers_past_int32_are_indexed_in_int64(shape, which):
     for func in funcs:
         dtypes = index_dtypes(func)
         assert dtypes["int32"] == 0 and dtypes["int64"] > 0
-    # The default schedules apply to them and compile, CPU and CUDA.
+    # The default schedules apply to them and compile, CPU and CUDA (the GPU's input gradient
+    # is a gather of its own: definition.grad_input_tiles).
     kernels.compile_kernel(LARGE, targets.host_target())
     assert "int64_t" in cuda_build.cuda_source(LARGE, "sm_90")
+    backward = kernels.compile_backward(shape, targets.cuda_target("sm_90"))
+    gather = [m.inspect_source("cuda") for m in backward.mod.imports if m.kind == "cuda"]
+    assert "int64_t" in "".join(gather)
 
 
 def bilinear_samples(data: torch.Tensor, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -864,7 +864,6 @@ def backward(
 
 def grad_input(
     shape: ConvShape,
-    plane_scope: str = "global",
     sizes: str = "static",
     pixel_quantum: int = PIXEL_QUANTUM,
     channel_block: int = 1,
@@ -875,12 +874,12 @@ def grad_input(
     Each (n, c) image plane is filled by one block, which adds every sample's gradient
     (``grad_columns`` times the corner coefficient) into the four input pixels it was sampled
     from, in a fixed order (tap, then pixel, then corner), into a plane held in the accumulator
-    dtype, a buffer of the block's own in memory of ``plane_scope``. (A GPU takes
-    :func:`grad_input_tiles`, the same sums spread over tiles of the plane.)
+    dtype, a buffer of the block's own. (A GPU takes :func:`grad_input_tiles`, the same sums
+    spread over tiles of the plane.)
     Planes never share memory, so a schedule can run the blocks in parallel without
     atomics and the result is bit-identical from run to run.
 
-    With ``channel_block`` > 1 (``plane_scope`` "global" only), each block fills the planes of
+    With ``channel_block`` > 1, each block fills the planes of
     that many channels of one offset group at once, laid out ``[y, x, channel]``: the channels
     are the innermost loop (vectorised), and each sample's corners, coefficients and column
     gradients are read once for the block. Every element is still added to in the same order.
@@ -891,13 +890,10 @@ def grad_input(
     Arguments: grad_columns, sample_rows, sample_cols, sample_coef (written by
     :func:`backward`), grad_input. ``sizes`` and ``pixel_quantum`` as for :func:`backward`.
     """
-    if channel_block > 1 and (
-        plane_scope != "global" or (shape.in_channels // shape.offset_groups) % channel_block
-    ):
+    if channel_block > 1 and (shape.in_channels // shape.offset_groups) % channel_block:
         raise ValueError(
-            f"a channel block of {channel_block} needs global planes and offset groups of a "
-            f"multiple of its channels, got {plane_scope!r} and "
-            f"{shape.in_channels // shape.offset_groups} channels a group"
+            f"a channel block of {channel_block} needs offset groups of a multiple of its "
+            f"channels, got {shape.in_channels // shape.offset_groups} channels a group"
         )
     if channels_last_columns and channel_block == 1:
         raise ValueError("channels-last column gradients are read in blocks of channels")
@@ -907,7 +903,7 @@ def grad_input(
                 shape, sizes, pixel_quantum, channel_block, channels_last_columns
             )
         else:
-            func = _grad_input(shape, plane_scope, sizes, pixel_quantum)
+            func = _grad_input(shape, sizes, pixel_quantum)
     if sizes == "symbolic":
         func = func.with_attr("pixel_quantum", pixel_quantum)
     return func
@@ -932,11 +928,13 @@ def grad_input_tiles(
     shape: ConvShape,
     sizes: str = "static",
     pixel_quantum: int = PIXEL_QUANTUM,
+    *,
     tile_scope: str = "shared",
     lanes: int | None = None,
 ) -> tirx.PrimFunc:
     """The input's gradient as a gather over tiles of the input plane (for a GPU): the sums of
-    :func:`grad_input`, the same terms in the same order, so the same bits.
+    :func:`grad_input`, the same terms in the same order, so the same bits (while the column
+    gradients are finite: see below).
 
     :func:`grad_input`'s scatter runs a whole plane in one block; on a GPU that is one thread
     per (image, channel), each adding every sample of its plane in turn. Here the plane is cut
@@ -955,12 +953,23 @@ def grad_input_tiles(
        A block's lanes read the same samples; a last run's lanes past the group's channels
        repeat its last channel without writing it.
 
-    A corner with a zero coefficient adds nothing and is skipped (the scatter adds its zero).
-    ``lanes``: by default :func:`grad_input_lanes`. Arguments as for :func:`grad_input`.
+    A corner with a zero coefficient is skipped: the scatter adds its zero, which changes no
+    sum, unless the column gradient is infinite or NaN, where the scatter makes a NaN of a
+    pixel the sample does not reach (torchvision skips such corners too).
+
+    The PrimFunc's arguments are :func:`grad_input`'s, and so are ``sizes`` and
+    ``pixel_quantum``. ``lanes``: the threads of a block (default :func:`grad_input_lanes`),
+    whose sums, in the accumulator dtype, must fit the 48 KiB of static shared memory.
     """
-    lanes = lanes or grad_input_lanes(shape)
-    if not 1 <= lanes <= 1024:
-        raise ValueError(f"a block of the gather takes 1 to 1024 lanes, got {lanes}")
+    if lanes is None:
+        lanes = grad_input_lanes(shape)
+    tile_bytes = (
+        GRAD_INPUT_TILE[0] * GRAD_INPUT_TILE[1] * (8 if shape.accumulator_dtype == "float64" else 4)
+    )
+    if not 1 <= lanes or lanes * tile_bytes > 48 * 1024:
+        raise ValueError(
+            f"a block of the gather takes 1 to {48 * 1024 // tile_bytes} lanes, got {lanes}"
+        )
     with pseudo_frames_answered_at_once():
         func = _grad_input_tiles(shape, sizes, pixel_quantum, tile_scope, lanes)
     if sizes == "symbolic":
@@ -991,10 +1000,14 @@ def _grad_input_tiles(
         # The first output pixel of segment s of row oy.
         return oy * ow_ + s * seg
 
-    def channel(g, run, lane):
-        # The channel of a lane of a run of offset group g; the lanes past the group's last
+    def run(g, r):
+        # The first channel of run r of offset group g (of the next group, past its last run).
+        return g * per_group + T.min(r * lanes, per_group)
+
+    def channel(g, r, lane):
+        # The channel of a lane of run r of offset group g; the lanes past the group's last
         # channel repeat it (and do not write it).
-        return g * per_group + T.min(run * lanes + lane, per_group - 1)
+        return g * per_group + T.min(r * lanes + lane, per_group - 1)
 
     def meets(box, index, ty, tx):
         # Whether the box at index (without its last axis) reaches tile (ty, tx).
@@ -1036,9 +1049,9 @@ def _grad_input_tiles(
             with T.sblock("segment_boxes"):
                 vn, vg, vk, vy, vs = T.axis.remap("SSSSS", [n, g, k, oy, s])
                 T.reads(
-                    sample_rows[vn, vg, vk, 0:2, first(vy, vs) : first(vy, vs) + seg],
-                    sample_cols[vn, vg, vk, 0:2, first(vy, vs) : first(vy, vs) + seg],
-                    sample_coef[vn, vg, vk, 0:4, first(vy, vs) : first(vy, vs) + seg],
+                    sample_rows[vn, vg, vk, 0:2, vy * ow_ : vy * ow_ + ow_],
+                    sample_cols[vn, vg, vk, 0:2, vy * ow_ : vy * ow_ + ow_],
+                    sample_coef[vn, vg, vk, 0:4, vy * ow_ : vy * ow_ + ow_],
                 )
                 T.writes(segment_boxes[vn, vg, vk, vy, vs, 0:4])
                 box = T.sblock_alloc_buffer((4,), "int32", scope="local")
@@ -1088,12 +1101,12 @@ def _grad_input_tiles(
                     sample_rows[vn, vg, 0:taps, 0:2, 0:pixels],
                     sample_cols[vn, vg, 0:taps, 0:2, 0:pixels],
                     sample_coef[vn, vg, 0:taps, 0:4, 0:pixels],
-                    grad_columns[vn, vg * per_group : vg * per_group + per_group, 0:taps, 0:pixels],
+                    grad_columns[vn, run(vg, vr) : run(vg, vr + 1), 0:taps, 0:pixels],
                 )
                 T.writes(
                     grad_input[
                         vn,
-                        vg * per_group : vg * per_group + per_group,
+                        run(vg, vr) : run(vg, vr + 1),
                         vty * th : vty * th + th,
                         vtx * tw : vtx * tw + tw,
                     ]
@@ -1273,9 +1286,7 @@ def _grad_input_blocks(
     return func
 
 
-def _grad_input(
-    shape: ConvShape, plane_scope: str, sizes: str, pixel_quantum: int
-) -> tirx.PrimFunc:
+def _grad_input(shape: ConvShape, sizes: str, pixel_quantum: int) -> tirx.PrimFunc:
     dtype, acc = shape.dtype, shape.accumulator_dtype
     extents = _grad_input_extents(shape, sizes, pixel_quantum)
     n_, c_, h_, w_, taps, pixels, per_group = extents[:7]
@@ -1330,7 +1341,7 @@ def _grad_input(
                 vn, vc = T.axis.remap("SS", [n, c])
                 reads(vn, vc, grad_columns, sample_rows, sample_cols, sample_coef)
                 T.writes(grad_input[vn, vc, 0:h_, 0:w_])
-                plane = T.sblock_alloc_buffer((h_, w_), acc, scope=plane_scope)
+                plane = T.sblock_alloc_buffer((h_, w_), acc)
                 scatter(
                     plane,
                     vn,

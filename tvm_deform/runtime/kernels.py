@@ -258,7 +258,7 @@ def compile_backward(
 ) -> tvm.runtime.Module:
     """Compile the backward kernels of ``shape`` for ``target`` that compute ``gradients``
     into one module: the gradients kernel with ``record``'s tuned schedule when given (records
-    are of the kernel computing all gradients), else the default one; the input's scatter
+    are of the kernel computing all gradients), else the default one; the input's gradient
     kernel, when the input's gradient is asked for, with its default schedule. With
     ``quantum``, the kernels for any size of ``shape``'s layer, their pixels padded to it."""
     sizes = "static" if quantum is None else "symbolic"
@@ -292,8 +292,9 @@ def compile_backward(
     cuda = target.kind.name == "cuda"
     if gradients.input:
         func = schedules.grad_input_definition(shape, target, sizes, quantum)
-        scatter = schedules.apply_default("grad_input", func, target)
-        functions["deform_conv2d_grad_input"] = scatter.mod["main"]
+        functions["deform_conv2d_grad_input"] = schedules.apply_default(
+            "grad_input", func, target
+        ).mod["main"]
     if cuda:
         # Registers TVM's CUDA compiler callback (NVRTC, or nvcc with TVM_CUDA_COMPILE_MODE).
         importlib.import_module("tvm.support.nvcc")
@@ -565,11 +566,11 @@ def _backward_kernels(
     target: Target,
     gradients: definition.Gradients,
 ) -> BackwardKernels:
-    scatter = module["deform_conv2d_grad_input"] if gradients.input else None
+    input_kernel = module["deform_conv2d_grad_input"] if gradients.input else None
     channels_last = _channels_last_columns(shape, target, gradients)
     return BackwardKernels(
         module["deform_conv2d_backward"],
-        scatter,
+        input_kernel,
         channels_last_columns=channels_last,
     )
 

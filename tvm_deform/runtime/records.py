@@ -44,8 +44,8 @@ from tvm_deform.runtime import diskcache
 #: taken at tune time with the same builder and runner: a tuned record is used only if it beat it
 DEFAULT_SPACE = "default"
 
-#: the kernels that are tuned: the forward, and the backward's gather/GEMM kernel (its scatter
-#: kernel, ``grad_input``, has nothing to tune: one block per image plane)
+#: the kernels that are tuned: the forward, and the backward's gather/GEMM kernel (the input's
+#: gradient, ``grad_input``, runs its default schedule)
 OPS = ("forward", "backward")
 #: the file beside a hardware key's design spaces that holds the choices timed through the op
 #: at tuning time (see :func:`tvm_deform.runtime.dispatch.decide_for_logs`)
