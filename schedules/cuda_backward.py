@@ -354,10 +354,9 @@ class GradInputCUDA(Rule):
             return None  # not the gather of definition.grad_input_tiles
         for name in ("segment_boxes", "row_boxes"):
             thread_per_element(sch, sch.get_sblock(name), self.threads, self.emulate)
-        lane = sch.get_sblock("gather_lane")
-        if self.emulate:
-            sch.set_scope(lane, 0, "global")
-        else:
+        if not self.emulate:
+            lane = sch.get_sblock("gather_lane")
+            sch.set_scope(lane, 0, "shared")  # the tile's sums
             sch.bind(sch.fuse(*sch.get_loops(sch.get_sblock("gather"))), "blockIdx.x")
             sch.bind(sch.get_loops(lane)[0], "threadIdx.x")
         return sch

@@ -929,7 +929,6 @@ def grad_input_tiles(
     sizes: str = "static",
     pixel_quantum: int = PIXEL_QUANTUM,
     *,
-    tile_scope: str = "shared",
     lanes: int | None = None,
 ) -> tirx.PrimFunc:
     """The input's gradient as a gather over tiles of the input plane (for a GPU): the sums of
@@ -946,10 +945,11 @@ def grad_input_tiles(
        segments of :data:`GRAD_INPUT_SEGMENT` pixels); ``row_boxes[n, g, k, oy]``, their union
        over the row. An empty box has its minimum above its maximum.
     2. ``gather``: one block per (image, offset group, run of ``lanes`` of its channels,
-       tile), with a buffer of the tile's sums for each lane (``[pixel, lane]``, in memory of
-       ``tile_scope``). Each lane (a channel) goes through the taps and output rows whose box
-       meets the tile, their segments that meet it, and adds each corner that lands in the
-       tile, in the order of the scatter (tap, pixel, corner), then writes the tile out.
+       tile), with a buffer of the tile's sums for each lane (``[pixel, lane]``: a GPU
+       schedule puts it in shared memory). Each lane (a channel) goes through the taps and
+       output rows whose box meets the tile, their segments that meet it, and adds each
+       corner that lands in the tile, in the order of the scatter (tap, pixel, corner), then
+       writes the tile out.
        A block's lanes read the same samples; a last run's lanes past the group's channels
        repeat its last channel without writing it.
 
@@ -971,14 +971,14 @@ def grad_input_tiles(
             f"a block of the gather takes 1 to {48 * 1024 // tile_bytes} lanes, got {lanes}"
         )
     with pseudo_frames_answered_at_once():
-        func = _grad_input_tiles(shape, sizes, pixel_quantum, tile_scope, lanes)
+        func = _grad_input_tiles(shape, sizes, pixel_quantum, lanes)
     if sizes == "symbolic":
         func = func.with_attr("pixel_quantum", pixel_quantum)
     return func
 
 
 def _grad_input_tiles(
-    shape: ConvShape, sizes: str, pixel_quantum: int, tile_scope: str, lanes: int
+    shape: ConvShape, sizes: str, pixel_quantum: int, lanes: int
 ) -> tirx.PrimFunc:
     dtype, acc = shape.dtype, shape.accumulator_dtype
     extents = _grad_input_extents(shape, sizes, pixel_quantum)
@@ -1111,7 +1111,7 @@ def _grad_input_tiles(
                         vtx * tw : vtx * tw + tw,
                     ]
                 )
-                sums = T.sblock_alloc_buffer((th * tw, lanes), acc, scope=tile_scope)
+                sums = T.sblock_alloc_buffer((th * tw, lanes), acc)
                 for lane in range(lanes):
                     with T.sblock("gather_lane"):
                         vl = T.axis.spatial(lanes, lane)
