@@ -41,6 +41,7 @@ from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm_deform.schedules.common import (
     GEOMETRY,
+    facts,
     is_deform_conv,
     largest_divisor,
     tensor_intrinsics,
@@ -224,19 +225,163 @@ class TensorCoreCUDA(Rule):
 
 
 class SampleOnceTensorCoreCUDA(TensorCoreCUDA):
-    """``TensorCoreCUDA``'s tensor-core GEMM on the sample-once structure: the columns, in the
-    layer's float16 or bfloat16, written once by ``SampleOnceCUDA``'s sampling kernel, and the
-    GEMM's shared-memory fill copying its chunk from them instead of sampling it; the output
-    stage is the third kernel. Not a default rule (no GPU has timed it); the GPU session
-    times it (``tensor_core_schedule``). Takes the layers ``TensorCoreCUDA`` takes, at one
-    size."""
+    """The tensor-core GEMM on the sample-once structure: the columns, in the layer's float16
+    or bfloat16, written once by ``SampleOnceCUDA``'s sampling kernel; a GEMM kernel that
+    copies chunks of the weight and of the columns into shared memory and multiplies them with
+    WMMA; the output stage as the third kernel. Not a default rule (no GPU has timed it); the
+    GPU session times it (``tensor_core_schedule``). Takes the layers ``TensorCoreCUDA``
+    takes, at one size.
+
+    Its GEMM differs from ``TensorCoreCUDA``'s, whose fill samples the columns:
+
+    - the columns' chunk sits in shared memory as ``[reduction, pixel]``, the pixels
+      contiguous as in the columns, and the weight's as ``[output channel, reduction]``, as
+      in the weight: each thread copies 16 bytes at a time (8 values), and each row is
+      padded to an odd multiple of 16 bytes so that the fragments' loads (``ldmatrix``, 8
+      rows of 16 bytes at once) meet no bank conflicts;
+    - the copies are pipelined over ``stages`` chunks (TVM's software pipeline): on sm_80 and
+      later asynchronous (``cp.async``), the next chunks loading while the tensor cores
+      multiply the current one;
+    - the accumulators go from the fragments straight to the float32 sums in global memory
+      (``[output channel, image x pixel]``), which the output stage reads;
+    - the thread block's tile is the largest of :attr:`tilings` that divides the GEMM and
+      still gives each multiprocessor a block (the target's count of them, else
+      :attr:`multiprocessors`), else the one that gives the most blocks.
+    """
+
+    #: (warps, fragments a warp) along the output channels, then along the pixels, largest
+    #: tile first: 64 x 128, 64 x 64, 32 x 64, 32 x 32, 16 x 32 and 16 x 16 outputs
+    tilings = (
+        ((2, 2), (2, 4)),
+        ((2, 2), (2, 2)),
+        ((1, 2), (2, 2)),
+        ((1, 2), (1, 2)),
+        ((1, 1), (1, 2)),
+        ((1, 1), (1, 1)),
+    )
+    #: multiprocessors, for a target that does not say how many its GPU has
+    multiprocessors = 128
+    #: chunks of the reduction in flight (shared-memory buffers of each operand)
+    stages = 3
+    #: values a thread copies at once (16 bytes of float16 or bfloat16)
+    vector = 8
+    #: the most static shared memory a thread block takes, in bytes
+    shared_limit = 48 * 1024
 
     def _sampling(self, sch: s_tir.Schedule) -> None:
         """``SampleOnceCUDA``'s sampling kernel, its default sizes."""
         SampleOnceCUDA(emulate=self.emulate).sampling(sch, Choices(sch, False))
 
-    def _columns(self, sch: s_tir.Schedule) -> None:
-        """The columns stay in global memory, written by the sampling kernel."""
+    def tiling(self, gemm: _Gemm, target: Target) -> tuple[int, int, int, int]:
+        """(warps, fragments a warp) along the output channels and along the pixels of the
+        thread block's tile for ``gemm`` on ``target`` (class docstring)."""
+        wanted = facts(target).get("multiprocessors", self.multiprocessors)
+        rows, cols = gemm.rows // FRAGMENT, gemm.cols // FRAGMENT
+        fitting = [
+            (wi, fi, wj, fj)
+            for (wi, fi), (wj, fj) in self.tilings
+            if rows % (wi * fi) == 0 and cols % (wj * fj) == 0
+        ]
+        blocks = lambda t: rows // (t[0] * t[1]) * (cols // (t[2] * t[3]))  # noqa: E731
+        return next((t for t in fitting if blocks(t) >= wanted), max(fitting, key=blocks))
+
+    def _pipeline_stages(self, tile_rows: int, tile_cols: int, depth: int) -> int:
+        """The most chunks in flight, up to :attr:`stages`, whose buffers fit
+        :attr:`shared_limit` (two bytes a value)."""
+        padded = (depth + 8) * tile_rows + (tile_cols + 8) * depth  # rows padded by 8 values
+        return max(1, min(self.stages, self.shared_limit // (2 * padded)))
+
+    def _asynchronous(self, target: Target) -> bool:
+        """Whether the copies can be asynchronous: ``cp.async`` exists from sm_80."""
+        arch = str(target.attrs.get("arch", "")) if target.kind.name == "cuda" else ""
+        return arch.startswith("sm_") and int(arch.removeprefix("sm_").rstrip("a")) >= 80
+
+    def apply(
+        self, func: tirx.PrimFunc, target: Target, tunable: bool = False
+    ) -> s_tir.Schedule | None:
+        sch = s_tir.Schedule(func)
+        gemm = self._gemm(sch, target)
+        if gemm is None:
+            return None
+        self._sampling(sch)
+        self._pipelined_gemm(sch, gemm, target)
+        OnePassCUDA(self.emulate).elementwise(sch, sch.get_sblock("output"))  # the epilogue
+        return sch
+
+    def _pipelined_gemm(self, sch: s_tir.Schedule, gemm: _Gemm, target: Target) -> None:
+        conv = sch.get_sblock("conv")
+        # C[o, j] += A[o, k] * B[k, j], with j = (n, pixel), k = (input channel, tap); the sums
+        # laid out as C, the columns' copy as B.
+        pixels, taps = gemm.pixels, gemm.taps
+        sch.transform_block_layout(
+            conv, lambda n, o, p, rc, rk: (o, n * pixels + p, rc * taps + rk)
+        )
+        sch.transform_layout(conv, ("write", 0), lambda n, o, p: (o, n * pixels + p))
+        weight_copy = sch.reindex(conv, ("read", 0))
+        column_copy = sch.reindex(conv, ("read", 1))
+        sch.transform_layout(conv, ("read", 1), lambda j, k: (k, j))
+
+        warps_i, frags_i, warps_j, frags_j = self.tiling(gemm, target)
+        chunk = largest_divisor(gemm.depth // FRAGMENT, self.chunk_fragments)
+        warps = warps_i * warps_j
+        i, j, k = sch.get_loops(conv)
+        i, i_frag = sch.split(i, [None, FRAGMENT])
+        j, j_frag = sch.split(j, [None, FRAGMENT])
+        k, k_frag = sch.split(k, [None, FRAGMENT])
+        sch.reorder(i, j, k, i_frag, j_frag, k_frag)
+        inner = conv
+        outer = sch.blockize(i_frag)
+        i_block, i_warp, i_reg = sch.split(i, [None, warps_i, frags_i])
+        j_block, j_warp, j_reg = sch.split(j, [None, warps_j, frags_j])
+        k_chunk, k_reg = sch.split(k, [None, chunk])
+        sch.reorder(i_block, j_block, i_warp, j_warp, k_chunk, k_reg, i_reg, j_reg)
+        tile = sch.fuse(i_block, j_block)
+        warp = sch.fuse(i_warp, j_warp)
+        self._bind(sch, tile, "blockIdx.x")
+        self._bind(sch, warp, "threadIdx.y")
+
+        # Each chunk's weights and columns, copied by every thread of the block, 16 bytes
+        # at a time (the last round predicated where the threads do not divide the chunk).
+        for index, copy in ((0, weight_copy), (1, column_copy)):
+            fill = sch.cache_read(outer, index, self._scope("shared"))
+            sch.compute_at(fill, k_chunk)
+            sch.compute_inline(copy)
+            vectors, vector = sch.split(sch.fuse(*sch.get_loops(fill)[-2:]), [None, self.vector])
+            _, thread_y, thread_x = sch.split(vectors, [None, warps, self.warp_size])
+            sch.vectorize(vector)
+            self._bind(sch, thread_y, "threadIdx.y")
+            self._bind(sch, thread_x, "threadIdx.x")
+            if not self.emulate:
+                # rows of an odd number of 16 bytes: 8 rows that ldmatrix reads at once
+                # start in 8 different 16-byte banks' groups
+                sch.storage_align(fill, 0, axis=0, factor=16, offset=8)
+
+        if not self.emulate:
+            fragment_a = sch.cache_read(outer, 0, "wmma.matrix_a")
+            fragment_b = sch.cache_read(outer, 1, "wmma.matrix_b")
+            sch.compute_at(fragment_a, k_reg)
+            sch.compute_at(fragment_b, k_reg)
+            accumulator = sch.cache_write(outer, 0, "wmma.accumulator")
+            sch.reverse_compute_at(accumulator, warp)
+        init = sch.decompose_reduction(outer, k_chunk)
+        if self.emulate:
+            return  # the pipeline changes when values are copied, not which
+
+        stages = self._pipeline_stages(
+            warps_i * frags_i * FRAGMENT, warps_j * frags_j * FRAGMENT, chunk * FRAGMENT
+        )
+        if stages > 1:
+            # The body of k_chunk: the weights' copy, the columns' copy, the multiplication.
+            sch.annotate(k_chunk, "software_pipeline_stage", [0, 0, stages - 1])
+            sch.annotate(k_chunk, "software_pipeline_order", [0, 1, 2])
+            if self._asynchronous(target):
+                sch.annotate(k_chunk, "software_pipeline_async_stages", [0])
+        intrinsics = wmma_intrinsics(gemm.dtype, trans_b=False, store_scope="global")
+        for fragment, name in ((fragment_a, "load_a"), (fragment_b, "load_b")):
+            self._tensorize_2d(sch, fragment, intrinsics[name])
+        self._tensorize_2d(sch, accumulator, intrinsics["store"])
+        sch.tensorize(sch.get_loops(sch.get_child_blocks(init)[0])[-2], intrinsics["init"])
+        sch.tensorize(sch.get_loops(inner)[-3], intrinsics["compute"])
 
 
 class _Gemm:
@@ -279,32 +424,36 @@ def _split_fragments(count: int, warps: int, fragments: int) -> tuple[int, int]:
     return largest_divisor(count // per_warp, warps), per_warp
 
 
-def wmma_intrinsics(dtype: str) -> dict[str, str]:
+def wmma_intrinsics(
+    dtype: str, trans_b: bool = True, store_scope: str = "shared.dyn"
+) -> dict[str, str]:
     """The names of the m16n16k16 WMMA tensor intrinsics for ``dtype`` inputs and float32
-    accumulators: fragments loaded from static shared memory and stored to dynamic shared
-    memory, B transposed (``[pixel, reduction]``). TVM registers the float16 ones; the bfloat16
-    ones are registered here from TVM's own generators, on first use."""
+    accumulators: fragments loaded from static shared memory, B as ``[pixel, reduction]``
+    (``trans_b``) or ``[reduction, pixel]``, stored to ``store_scope``. TVM registers the
+    float16 ones; the bfloat16 ones are registered here from TVM's own generators, on first
+    use."""
     cuda = tensor_intrinsics().cuda
 
     if dtype == "float16":
         return cuda.get_wmma_intrin_group(
             load_scope="shared",
-            store_scope="shared.dyn",
+            store_scope=store_scope,
             in_dtype="float16",
             out_dtype="float32",
-            trans_b=True,
+            trans_b=trans_b,
         )
+    trans = "_trans" if trans_b else ""
     names = {
         "init": cuda.WMMA_FILL_16x16x16_F32_INTRIN,
-        "store": cuda.WMMA_STORE_16x16x16_F32_SHARED_DYN_INTRIN,
+        "store": f"wmma_store_16x16x16_f32_{store_scope.replace('.', '_')}",
         "load_a": "tvm_deform_wmma_load_16x16x16_bf16_a_shared",
-        "load_b": "tvm_deform_wmma_load_16x16x16_bf16_b_trans_shared",
-        "compute": "tvm_deform_wmma_sync_16x16x16_bf16bf16f32_trans",
+        "load_b": f"tvm_deform_wmma_load_16x16x16_bf16_b{trans}_shared",
+        "compute": f"tvm_deform_wmma_sync_16x16x16_bf16bf16f32{trans}",
     }
     generators = {
         "load_a": lambda: cuda.get_wmma_load_intrin(16, 16, 16, dtype, "shared", False, False),
-        "load_b": lambda: cuda.get_wmma_load_intrin(16, 16, 16, dtype, "shared", True, True),
-        "compute": lambda: cuda.get_wmma_sync_intrin(16, 16, 16, dtype, "float32", True),
+        "load_b": lambda: cuda.get_wmma_load_intrin(16, 16, 16, dtype, "shared", True, trans_b),
+        "compute": lambda: cuda.get_wmma_sync_intrin(16, 16, 16, dtype, "float32", trans_b),
     }
     for role, generate in generators.items():
         if s_tir.TensorIntrin.get(names[role], allow_missing=True) is None:

@@ -23,7 +23,11 @@ from tvm_deform.schedules.cuda import (
     SplitReductionCUDA,
     WideTileCUDA,
 )
-from tvm_deform.schedules.cuda_tensor_core import SampleOnceTensorCoreCUDA, TensorCoreCUDA
+from tvm_deform.schedules.cuda_tensor_core import (
+    SampleOnceTensorCoreCUDA,
+    TensorCoreCUDA,
+    _Gemm,
+)
 
 from tvm_deform import deform_conv2d, schedules
 from tvm_deform.binding.ops import run_forward
@@ -619,21 +623,62 @@ def test_small_half_layers_compile_for_cuda(shape, on_tensor_cores):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_tensor_core_kernels_build_to_mma_instructions(arch, dtype):
-    """A half-precision suite layer's CUDA kernels build with nvcc, and the GEMM's PTX
-    multiplies on tensor cores: m16n16k16 WMMA with float32 accumulators."""
+    """A half-precision suite layer's CUDA kernels build with nvcc without spills; the GEMM's
+    PTX multiplies on tensor cores (m16n16k16 WMMA, float32 accumulators, B as [reduction,
+    pixel]: "row.row") and copies its chunks into shared memory asynchronously (cp.async,
+    16 bytes a copy), pipelined over three chunks."""
     shape = dataclasses.replace(SUITE["r50dcn320_c4_256x20x20"], dtype=dtype)
     sch = schedules.tensor_core_schedule(shape, targets.cuda_target(arch))
     source = cuda_build.cuda_source(shape, arch, schedule=sch)
     built = cuda_build.nvcc_build(source, arch)
     assert built.machine_arch == int(arch.removeprefix("sm_"))
-    assert all("spill" not in line or "0 bytes spill" in line for line in built.kernels.values())
+    assert not built.spills()
     ptx = cuda_build.nvcc_ptx(source, arch)
     inputs = "f16" if dtype == "float16" else "bf16"
     mma = set(re.findall(r"wmma\.mma\.sync\.aligned\.[\w.]+", ptx))
     # PTX names the float16 form by its accumulators only (".f32.f32"), bfloat16 in full.
     expected = "f32.f32" if dtype == "float16" else f"f32.{inputs}.{inputs}.f32"
-    assert mma and all(m.startswith("wmma.mma.sync.aligned.row.col.m16n16k16.") for m in mma)
+    assert mma and all(m.startswith("wmma.mma.sync.aligned.row.row.m16n16k16.") for m in mma)
     assert all(m.endswith(expected) for m in mma), mma
+    copies = set(re.findall(r"cp\.async\.[\w.]+ \[[^]]+\], \[[^]]+\], (\d+)", ptx))
+    assert copies == {"16"}, copies
+    assert "cp.async.wait_group 1;" in ptx  # three chunks in flight: wait for the oldest
+
+
+def test_tensor_core_pipeline_is_synchronous_before_sm_80():
+    """On sm_75 (no cp.async) the float16 GEMM's copies are plain loads and stores."""
+    shape = dataclasses.replace(SUITE["r50dcn320_c4_256x20x20"], dtype="float16")
+    target = targets.cuda_target("sm_75")
+    sch = schedules.tensor_core_schedule(shape, target)
+    source = cuda_build.cuda_source(shape, "sm_75", schedule=sch)
+    assert "wmma::mma_sync" in source and "cp_async" not in source
+
+
+@pytest.mark.parametrize(
+    "name, multiprocessors, tile",
+    [
+        # 256 x 448 outputs (400 pixels, padded): 64 x 128 does not divide the 28 pixel
+        # fragments; 28 tiles of 64 x 64, 56 of 32 x 64 and 112 of 32 x 32 are too few for 132
+        # multiprocessors, 224 of 16 x 32 enough; 112 are enough for 96
+        ("r50dcn320_c4_s2_256x40x40", 132, (16, 32)),
+        ("r50dcn320_c4_s2_256x40x40", 96, (32, 32)),
+        # 256 x 4224: 132 tiles of 64 x 128
+        ("r50_c4_256x50x84", 132, (64, 128)),
+        # 512 x 128 outputs (100 pixels, padded): never enough, the most blocks (16 x 16)
+        ("r50dcn320_c5_512x10x10", 132, (16, 16)),
+        # 128 x 16832: 64 x 128 does not divide the 1052 pixel fragments; 64 x 64 does
+        ("r50_c3_128x100x168", 132, (64, 64)),
+    ],
+)
+def test_tensor_core_tile_fills_the_gpu(name, multiprocessors, tile):
+    """The pipelined GEMM's thread-block tile (output channels x pixels): the largest that
+    divides the GEMM and gives each multiprocessor a block, else the one with most blocks."""
+    shape = dataclasses.replace(SUITE[name], dtype="float16")
+    target = targets.cuda_target("sm_90", multiprocessors=multiprocessors)
+    func = definition.forward(shape, column_dtype="float16")
+    gemm = _Gemm.of(s_tir.Schedule(func))
+    warps_i, frags_i, warps_j, frags_j = SampleOnceTensorCoreCUDA().tiling(gemm, target)
+    assert (16 * warps_i * frags_i, 16 * warps_j * frags_j) == tile
 
 
 @pytest.mark.slow
@@ -1177,3 +1222,17 @@ def test_the_split_is_sized_by_the_gpus_multiprocessors():
     assert rule.blocks_wanted(targets.cuda_target("sm_90")) == rule.enough_blocks
     assert rule.split_parts(func, small) == 1 < rule.split_parts(func, large)
     assert targets.workload_key(SUITE["seed"], small) != targets.workload_key(SUITE["seed"], large)
+
+
+def test_a_misaligned_weight_is_copied_for_the_gpu():
+    """The tensor-core GEMM copies the weight 16 bytes at a time: a weight whose data does not
+    start at a multiple of 16 bytes (a view one value into a larger tensor) reaches a CUDA
+    kernel as an aligned copy, an aligned one as itself."""
+    from tvm_deform.runtime.calls import CUDA_WEIGHT_ALIGNMENT, aligned
+
+    whole = torch.arange(1 + 4 * 16, dtype=torch.float16)
+    view = whole[1:].view(4, 16)
+    assert view.data_ptr() % CUDA_WEIGHT_ALIGNMENT
+    copy = aligned(view, CUDA_WEIGHT_ALIGNMENT)
+    assert copy.data_ptr() % CUDA_WEIGHT_ALIGNMENT == 0 and torch.equal(copy, view)
+    assert aligned(whole, CUDA_WEIGHT_ALIGNMENT) is whole

@@ -102,6 +102,17 @@ def images_per_call(
     return max(1, COLUMN_BYTES // per_image)
 
 
+#: the alignment, in bytes, of the weight a CUDA forward kernel reads: the tensor-core GEMM
+#: copies it 16 bytes at a time
+CUDA_WEIGHT_ALIGNMENT = 16
+
+
+def aligned(tensor: torch.Tensor, alignment: int) -> torch.Tensor:
+    """``tensor``, or a copy of it where its data does not start at a multiple of
+    ``alignment`` bytes (a view into a larger tensor, e.g. ``big[1:]``)."""
+    return tensor if tensor.data_ptr() % alignment == 0 else tensor.clone()
+
+
 def _launch(
     shape: ConvShape,
     input: torch.Tensor,
@@ -132,7 +143,10 @@ def _launch(
     ]
     if mask is not None:
         args.append(mask.contiguous().view(shape.batch, -1, pixels))
-    args.append(weight.contiguous().view(shape.out_channels, -1, shape.taps))
+    weight = weight.contiguous()
+    if cuda:
+        weight = aligned(weight, CUDA_WEIGHT_ALIGNMENT)
+    args.append(weight.view(shape.out_channels, -1, shape.taps))
     if bias is not None:
         args.append(bias.contiguous())
     args.append(output.view(shape.batch, shape.out_channels, pixels))

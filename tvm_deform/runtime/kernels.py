@@ -39,7 +39,7 @@ from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import diskcache, hardware, launcher, records, workspace
 from tvm_deform.runtime.targets import (
-    codegen_target,
+    compiling,
     hardware_key,
     host_target,
     workload_key,
@@ -244,8 +244,7 @@ def compile_schedule(sch: s_tir.Schedule, target: Target) -> tvm.runtime.Module:
     if target.kind.name == "cuda":
         # Registers TVM's CUDA compiler callback (NVRTC, or nvcc with TVM_CUDA_COMPILE_MODE).
         importlib.import_module("tvm.support.nvcc")
-    target = codegen_target(target)
-    with target:
+    with compiling(target) as target:
         return tvm.compile(sch.mod, target=target)
 
 
@@ -298,8 +297,7 @@ def compile_backward(
     if cuda:
         # Registers TVM's CUDA compiler callback (NVRTC, or nvcc with TVM_CUDA_COMPILE_MODE).
         importlib.import_module("tvm.support.nvcc")
-    target = codegen_target(target)
-    with target:
+    with compiling(target) as target:
         return tvm.compile(tvm.IRModule(functions), target=target)
 
 

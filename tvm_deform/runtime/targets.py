@@ -3,12 +3,15 @@ logs, and the workload key that names one compiled kernel."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
+from collections.abc import Iterator
 
 # TVM's thread variables are set by tvm_deform.env, which the package's __init__ imports before
 # any module that imports TVM.
+import tvm
 from tvm.target import Target, codegen
 
 from tvm_deform.ir.definition import ConvShape
@@ -58,6 +61,18 @@ def codegen_target(target: Target) -> Target:
     if target.kind.name != "llvm" or "opt-level" in target.attrs:
         return target
     return Target({**target.export(), "opt-level": CPU_OPT_LEVEL})
+
+
+@contextlib.contextmanager
+def compiling(target: Target) -> Iterator[Target]:
+    """The context a kernel for ``target`` compiles in: :func:`codegen_target`'s target
+    entered, and on CUDA, TVM's pass that turns the copies a schedule pipelines
+    asynchronously into ``cp.async`` (sm_80 and later; a schedule marks them only there).
+    Yields the target to compile for."""
+    target = codegen_target(target)
+    config = {"tirx.use_async_copy": True} if target.kind.name == "cuda" else {}
+    with tvm.transform.PassContext(config=config), target:
+        yield target
 
 
 def with_facts(keys: list[str], values: dict[str, int]) -> list[str]:

@@ -123,12 +123,12 @@ def build_candidate(mod: tvm.IRModule, target: Target, _params: dict | None) -> 
     (``tvm.s_tir.tensor_intrin``: over 30 s, paid by each builder worker at every batch, since
     the builder starts new workers each time). A candidate arrives scheduled, tensorized or
     not, so lowering it needs none of them. It is compiled as the op compiles its kernels
-    (:func:`~tvm_deform.runtime.targets.codegen_target`)."""
+    (:func:`~tvm_deform.runtime.targets.compiling`)."""
     from tvm.driver import build
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 
-    target = targets.codegen_target(target)
-    return build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
+    with targets.compiling(target) as target:
+        return build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
 
 
 def local_builder() -> ms.builder.LocalBuilder:
