@@ -13,16 +13,20 @@ Needs nvcc, and ``cuobjdump`` on ``PATH`` or the copy Triton ships (``--cuobjdum
 another)::
 
     .venv/bin/python lab/cuda_sass.py [--arch sm_90] [--workload NAME ...] [--out FILE]
-        [--variant default|wide]
+        [--variant default|wide|tensor-cores]
 
 ``--variant wide`` builds the GEMM of ``WideTileCUDA`` (an 8 x 8 register block a thread)
-instead of the default's (4 x 4).
+instead of the default's (4 x 4); ``--variant tensor-cores`` the layer in float16 on tensor
+cores (``schedules.tensor_core_schedule``, the kernels of its own size), whose hottest loop is
+the one with the most ``HMMA``, and whose shared-memory fills are ``LDGSTS`` (``cp.async``)
+and fragment loads ``LDSM`` (``ldmatrix``).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import importlib.util
 import re
 import shutil
@@ -77,8 +81,8 @@ def disassemble(cubin: bytes, cuobjdump: str) -> dict[str, list[tuple[int, str, 
 
 
 def hottest_loop(code: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
-    """The body of the innermost loop (a backward branch's range) with the most FFMA; the
-    whole kernel when it has no loop with one."""
+    """The body of the innermost loop (a backward branch's range) with the most multiply-adds
+    (FFMA, or HMMA on tensor cores); the whole kernel when it has no loop with one."""
     loops = []
     for address, opcode, operands in code:
         if opcode.startswith("BRA") and (target := _TARGET.search(operands)):
@@ -88,7 +92,7 @@ def hottest_loop(code: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]
     best, best_key = code, None
     for start, end in loops:
         body = [i for i in code if start <= i[0] <= end]
-        ffma = sum(1 for i in body if i[1].startswith("FFMA"))
+        ffma = sum(1 for i in body if i[1].startswith(("FFMA", "HMMA")))
         key = (ffma, -len(body))
         if ffma and (best_key is None or key > best_key):
             best, best_key = body, key
@@ -102,7 +106,7 @@ def mix(body: list[tuple[int, str, str]]) -> dict[str, int]:
         wide = ".128" in opcode or ".64" in opcode
         if base in ("LDS", "LDG", "STS", "STG"):
             counts[base + (".v" if wide else "")] += 1
-        elif base in ("FFMA", "BAR", "HMMA"):
+        elif base in ("FFMA", "BAR", "HMMA", "LDSM", "LDGSTS"):
             counts[base] += 1
         counts["all"] += 1
     return dict(counts)
@@ -116,6 +120,11 @@ def sources(shape: ConvShape, arch: str, variant: str) -> str:
     min_pixels = max(c for c in classes if pixels >= c)
     if variant == "default":
         sch = schedules.forward_schedule(shape, target, min_pixels=min_pixels)
+    elif variant == "tensor-cores":
+        shape = dataclasses.replace(shape, dtype="float16")
+        sch = schedules.tensor_core_schedule(shape, target)
+        if sch is None:
+            raise ValueError("tensor cores do not take the layer")
     else:
         func = schedules._any_size_definition(shape.any_size(), target, min_pixels=min_pixels)
         sch = WideTileCUDA().apply(func, target)
@@ -128,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--workload", action="append", help="suite layers (default: all)")
-    parser.add_argument("--variant", choices=("default", "wide"), default="default")
+    parser.add_argument("--variant", choices=("default", "wide", "tensor-cores"), default="default")
     parser.add_argument("--cuobjdump")
     parser.add_argument("--out", type=Path, help="also write the table here (markdown)")
     args = parser.parse_args(argv)
@@ -139,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         f"`lab/cuda_sass.py --arch {args.arch} --variant {args.variant}`: the hottest loop of "
         "each kernel (FFMA share: multiply-adds over all its instructions)",
         "",
-        "| layer | kernel | registers | shared bytes | loop: FFMA | LDS (vector) | LDG (vector) "
-        "| STS (vector) | BAR | all | FFMA share |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| layer | kernel | registers | shared bytes | loop: FFMA | HMMA | LDS (vector) | LDSM "
+        "| LDG (vector) | LDGSTS | STS (vector) | BAR | all | FFMA share |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     print("\n".join(lines), flush=True)
     for name in names:
@@ -149,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             source = sources(shape, args.arch, args.variant)
         except ValueError as error:
-            row = f"| {name} | {error} | | | | | | | | | |"
+            row = f"| {name} | {error} | | | | | | | | | | | | |"
             lines.append(row)
             print(row, flush=True)
             continue
@@ -163,8 +172,11 @@ def main(argv: list[str] | None = None) -> int:
             row = (
                 f"| {name} | {kernel} | {registers.group(1) if registers else '?'} "
                 f"| {shared.group(1) if shared else 0} | {counts.get('FFMA', 0)} "
+                f"| {counts.get('HMMA', 0)} "
                 f"| {counts.get('LDS', 0) + counts.get('LDS.v', 0)} ({counts.get('LDS.v', 0)}) "
+                f"| {counts.get('LDSM', 0)} "
                 f"| {counts.get('LDG', 0) + counts.get('LDG.v', 0)} ({counts.get('LDG.v', 0)}) "
+                f"| {counts.get('LDGSTS', 0)} "
                 f"| {counts.get('STS', 0) + counts.get('STS.v', 0)} ({counts.get('STS.v', 0)}) "
                 f"| {counts.get('BAR', 0)} | {counts['all']} | {share:.0%} |"
             )

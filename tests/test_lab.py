@@ -319,11 +319,12 @@ def test_schedule_ab_compares_a_commits_definition_on_a_suite_file(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-def test_cuda_sass_reads_the_gemm_loop_of_both_register_blocks(tmp_path):
+def test_cuda_sass_reads_the_gemm_loop_of_each_variant(tmp_path):
     """``lab/cuda_sass.py`` builds a layer's kernels for sm_90 and reads their machine code:
     the GEMM's hottest loop is mostly FFMA, with the default's 4 x 4 block and the wide one's
     8 x 8 (16 and 64 accumulators: twice the multiply-adds per operand read from shared
-    memory)."""
+    memory); on tensor cores it multiplies with HMMA, loads its fragments with LDSM and fills
+    shared memory with LDGSTS (cp.async), no plain global load in the loop."""
     import cuda_sass
 
     try:
@@ -331,7 +332,7 @@ def test_cuda_sass_reads_the_gemm_loop_of_both_register_blocks(tmp_path):
     except SystemExit:
         pytest.skip("no cuobjdump")
     rows = {}
-    for variant in ("default", "wide"):
+    for variant in ("default", "wide", "tensor-cores"):
         out = tmp_path / f"{variant}.md"
         argv = ["--workload", "r50dcn320_c4_256x20x20", "--variant", variant, "--out", str(out)]
         assert cuda_sass.main(argv) == 0
@@ -341,13 +342,16 @@ def test_cuda_sass_reads_the_gemm_loop_of_both_register_blocks(tmp_path):
             if line.startswith("| r50dcn320")
         }
     per_operand = {}
-    for variant, kernels in rows.items():
-        gemm = kernels["deform_conv2d_kernel_1"]
+    for variant in ("default", "wide"):
+        gemm = rows[variant]["deform_conv2d_kernel_1"]
         ffma, share = int(gemm[2]), int(gemm[-1].rstrip("%"))
-        loads, vectors = (int(n) for n in gemm[3].replace("(", "").replace(")", "").split())
+        loads, vectors = (int(n) for n in gemm[4].replace("(", "").replace(")", "").split())
         assert ffma >= 64 and share >= 50, (variant, gemm)
         per_operand[variant] = ffma / (loads - vectors + 4 * vectors)  # 16-byte loads: 4
     assert per_operand["wide"] >= 1.5 * per_operand["default"], per_operand
+    gemm = rows["tensor-cores"]["deform_conv2d_kernel_1"]
+    hmma, ldsm, global_loads, ldgsts = int(gemm[3]), int(gemm[5]), gemm[6], int(gemm[7])
+    assert hmma >= 8 and ldsm > 0 and ldgsts > 0 and global_loads == "0 (0)", gemm
 
 
 def test_the_session_times_the_wide_tile_on_float32_gpu_layers_it_takes():
