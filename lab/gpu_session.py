@@ -31,12 +31,16 @@ call cut short keeps what was done; the exit code is non-zero if any step failed
    of torchvision's and of cuDNN's dense ``conv2d``, medians of CUDA-event timings, our
    gradients checked against torchvision's;
 7. host cost: the CPU time of one call of ours and of torchvision's, unsynchronised;
-8. model (``--model``): R50-DCNv2 at batch 2, 640x640, in float32 and float16, with
+8. profile: where a training step's time goes, kernel by kernel, on a few suite layers
+   (``PROFILED``, float32): the device time of each kernel a forward and backward of ours and
+   of torchvision's launch (``torch.profiler``: TVM's launches too), into
+   ``OUT/gpu_profile.md``; on a CPU, the operators' own times;
+9. model (``--model``): R50-DCNv2 at batch 2, 640x640, in float32 and float16, with
    torchvision's op, ours and dense convs in place;
-9. round (``--round``): a round of tuning candidates built elsewhere (``tvm-deform
+10. round (``--round``): a round of tuning candidates built elsewhere (``tvm-deform
    tune-round``) timed with ``lab/time_round.py`` within ``--round-seconds``, into
    ``OUT/round_results.jsonl`` for ``tvm-deform tune-ingest``;
-10. tune (``--trials``): MetaSchedule's online tuning here, in the generic CUDA space, within
+11. tune (``--trials``): MetaSchedule's online tuning here, in the generic CUDA space, within
     ``--tune-seconds`` (needs TVM's builder and xgboost on this machine; the rounds are the
     way that fits a short GPU window).
 
@@ -84,6 +88,9 @@ KERNELS = ("tvm_deform default", "tvm_deform tuned")
 #: the label of the rows that time the public ``deform_conv2d``, as users call it (argument
 #: checks, kernel lookup and the choice among tuned records included)
 PUBLIC_OP = "tvm_deform public op"
+#: the suite layers whose kernels the session profiles: the 128-channel detection map, the
+#: 512-channel 10x10 map (few output tiles, a long reduction) and the 64-channel demo layer
+PROFILED = ("r50_c3_128x100x168", "r50dcn320_c5_512x10x10", "demo_64x56x56")
 
 
 def _inputs(shape: ConvShape, device: str, dtype: torch.dtype, seed: int = 0) -> dict:
@@ -561,6 +568,75 @@ def host_cost(device: str, layers: Sequence[str] = ("seed", "demo_64x56x56"), ca
     return rows
 
 
+def profile_kernels(
+    layers: dict[str, ConvShape], device: str, steps: int = 3, top: int = 12
+) -> list[dict]:
+    """Per layer, in float32: the ``top`` kernels by device time of ``steps`` training steps
+    of one layer (forward and every gradient) of the public op and of torchvision's, each
+    kernel's launches and device time per step (on a CPU, the operators' own CPU time). A
+    breakdown of the timings of ``time_layers`` and ``time_backward``: which kernel of ours
+    costs what, against which of theirs."""
+    import torchvision.ops
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    rows = []
+    for name, shape in layers.items():
+        args = _inputs(shape, device, torch.float32)
+        names = ("input", "offset", "weight", "bias", "mask")
+        present = [n for n in names if args[n] is not None]
+        calls = (("torchvision", torchvision.ops.deform_conv2d), (PUBLIC_OP, deform_conv2d))
+        for label, fn in calls:
+            leaves = {n: args[n].detach().clone().requires_grad_() for n in present}
+
+            def training_step(fn=fn, call_args=args | leaves, leaves=leaves):
+                out = fn(**call_args)
+                torch.autograd.grad(out, list(leaves.values()), torch.ones_like(out))
+
+            training_step()  # compiles and warms up outside the profile
+            _synchronize(device)
+            with profile(activities=activities) as prof:
+                for _ in range(steps):
+                    training_step()
+                _synchronize(device)
+            rows += _kernel_rows(prof, device, steps, top, {"layer": name, "implementation": label})
+    return rows
+
+
+def _kernel_rows(prof, device: str, steps: int, top: int, row: dict) -> list[dict]:
+    """The ``top`` entries of ``prof`` by device time (kernels on a GPU, operators' own time on
+    a CPU), per step."""
+    found = []
+    for event in prof.key_averages():
+        if device == "cuda":
+            spent = event.self_device_time_total if event.device_type.name == "CUDA" else 0
+        else:
+            spent = event.self_cpu_time_total
+        if spent > 0:
+            found.append((spent, event.count, event.key))
+    found.sort(reverse=True)
+    return [
+        row | {"kernel": key[:120], "launches": count / steps, "us_per_step": spent / steps}
+        for spent, count, key in found[:top]
+    ]
+
+
+def profile_markdown(rows: list[dict]) -> str:
+    """The profile step's rows as a table, a layer and implementation at a time."""
+    lines = [
+        "| layer | implementation | kernel | launches a step | us a step |",
+        "|---|---|---|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['layer']} | {r['implementation']} | `{r['kernel']}` | {r['launches']:g} "
+            f"| {r['us_per_step']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 def _synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -783,6 +859,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if backward_rows:
         (out / "gpu_backward.md").write_text(backward_markdown(backward_rows) + "\n")
     step("host_cost", lambda: host_cost(args.device, calls=200 if cuda else 20))
+    profiled = {name: suite[name] for name in PROFILED if name in suite}
+    profile_rows = step("profile", lambda: profile_kernels(profiled, args.device))
+    if profile_rows:
+        (out / "gpu_profile.md").write_text(profile_markdown(profile_rows) + "\n")
     if args.model:
         dtypes = session_dtypes(args.device)[:2]  # float32 and float16 on a GPU
         step("model", lambda: time_model(args.device, dtypes, size=args.model_size, runs=5))

@@ -61,6 +61,10 @@ def test_gpu_session_steps_run_on_the_cpu(tmp_path):
     assert "Geometric mean of torchvision / ours" in (tmp_path / "gpu_backward.md").read_text()
     costs = {(r["layer"], r["implementation"]) for r in results["host_cost"]["value"]}
     assert ("seed", gpu_session.PUBLIC_OP) in costs and ("seed", "torchvision") in costs
+    profiled = {(r["layer"], r["implementation"]) for r in results["profile"]["value"]}
+    assert profiled == {("demo_64x56x56", "torchvision"), ("demo_64x56x56", gpu_session.PUBLIC_OP)}
+    assert all(r["us_per_step"] > 0 for r in results["profile"]["value"])
+    assert "| demo_64x56x56 |" in (tmp_path / "gpu_profile.md").read_text()
     model = {r["implementation"]: r for r in results["model"]["value"]}
     assert model["torch + tvm_deform"]["error"] < 1e-5 and model["torch + torchvision"]["median_ms"]
     assert results["round"]["value"]["timed"] == 2
