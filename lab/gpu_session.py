@@ -25,7 +25,8 @@ call cut short keeps what was done; the exit code is non-zero if any step failed
    handles), the public ``deform_conv2d`` as users call it, the fused structure (the columns
    sampled per output tile), the default's kernel for the layer's size alone, the wide tile
    (``WideTileCUDA``, 8 x 8 register blocks) of float32 layers it takes, the tensor-core
-   schedule of float16 and bfloat16 layers it takes, and cuDNN's dense
+   schedule of float16 and bfloat16 layers it takes (its kernel for this size, and the one for
+   any size of the layer in this size's class), and cuDNN's dense
    ``conv2d``; each row is written as it is timed, and ``OUT/gpu_results.md`` holds the table;
 6. backward: per workload in float32, the backward alone (every gradient) of the public op,
    of torchvision's and of cuDNN's dense ``conv2d``, medians of CUDA-event timings, our
@@ -82,6 +83,7 @@ from tvm_deform.tools.suite import load_suite
 FUSED = "fused (OnePassCUDA)"
 ONE_SIZE = "one size (static kernel)"
 TENSOR_CORES = "tensor cores (SampleOnceTensorCoreCUDA)"
+TENSOR_CORES_ANY_SIZE = "tensor cores, any size (SampleOnceTensorCoreCUDA)"
 WIDE = "wide tile (WideTileCUDA)"
 #: our kernels that dispatch may run, timed through their handles: the speed-ups take the best
 KERNELS = ("tvm_deform default", "tvm_deform tuned")
@@ -296,6 +298,9 @@ def time_layers(
                     variants[TENSOR_CORES] = lambda typed=typed, args=args: _runner(
                         typed, _tensor_core_kernel(typed, target), args
                     )
+                    variants[TENSOR_CORES_ANY_SIZE] = lambda typed=typed, args=args: _runner(
+                        typed, _tensor_core_any_size_kernel(typed, target), args
+                    )
                 variants[PUBLIC_OP] = lambda args=args: lambda: deform_conv2d(**args)
                 variants["conv2d (dense)"] = lambda args=args, kwargs=kwargs, shape=shape: (
                     lambda: torch.nn.functional.conv2d(
@@ -385,6 +390,21 @@ def _tensor_core_kernel(shape: ConvShape, target) -> kernels.Kernel:
     )
 
 
+def _tensor_core_any_size_kernel(shape: ConvShape, target) -> kernels.Kernel:
+    """The tensor-core kernel for any size of the layer, in the size class of ``shape``'s
+    map: what dispatch would run if tensor cores were the half-precision default."""
+    classes = schedules.tensor_core_pixel_classes(shape, target)
+    pixels = definition.padded_pixels(shape.out_h * shape.out_w, always=True)
+    chosen = max(c for c in classes if pixels >= c)
+    layer = shape.any_size()
+    return kernels.load_scheduled(
+        layer,
+        target,
+        f"tensor-cores-any-size-{chosen}",
+        lambda: schedules.tensor_core_schedule(layer, target, min_pixels=chosen),
+    )
+
+
 def _runner(shape: ConvShape, kernel, args: dict) -> Callable[[], torch.Tensor]:
     """A call of ``kernel`` on ``args``."""
     from tvm_deform.binding.ops import run_forward
@@ -412,9 +432,9 @@ def markdown(rows: list[dict]) -> str:
     where an implementation has no time: torchvision in a dtype it lacks, or a failure)."""
     lines = [
         "| layer | dtype | torchvision ms | ours default ms | ours tuned ms | public op ms "
-        "| fused ms | one size ms | wide tile ms | tensor cores ms | conv2d ms "
-        "| speed-up (best) | best / conv2d | error |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| fused ms | one size ms | wide tile ms | tensor cores ms | tensor cores, any size ms "
+        "| conv2d ms | speed-up (best) | best / conv2d | error |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     grouped: dict[tuple[str, str], dict[str, dict]] = {}
     for row in rows:
@@ -429,7 +449,7 @@ def markdown(rows: list[dict]) -> str:
             f"| {_ms(found, 'tvm_deform default')} | {_ms(found, 'tvm_deform tuned')} "
             f"| {_ms(found, PUBLIC_OP)} | {_ms(found, FUSED)} | {_ms(found, ONE_SIZE)} "
             f"| {_ms(found, WIDE)} | {_ms(found, TENSOR_CORES)} "
-            f"| {_ms(found, 'conv2d (dense)')} "
+            f"| {_ms(found, TENSOR_CORES_ANY_SIZE)} | {_ms(found, 'conv2d (dense)')} "
             f"| {_ratio(found, 'torchvision', best)} "
             f"| {_ratio(found, 'conv2d (dense)', best, inverse=True)} | {error} |"
         )
@@ -978,6 +998,7 @@ def _build_one(shape: ConvShape, device: str) -> None:
             _wide_tile_kernel(shape, target)
     if schedules.tensor_cores_take(shape, target):
         _tensor_core_kernel(shape, target)
+        _tensor_core_any_size_kernel(shape, target)
 
 
 def session_shapes(suite: dict[str, ConvShape], device: str, checks: int) -> list[ConvShape]:

@@ -206,20 +206,32 @@ def forward_schedule(
 
 
 def tensor_core_schedule(
-    shape: ConvShape, target: Target, layout: str = "NCHW"
+    shape: ConvShape, target: Target, layout: str = "NCHW", min_pixels: int | None = None
 ) -> s_tir.Schedule | None:
     """``shape``'s forward on tensor cores (:class:`.cuda_tensor_core.SampleOnceTensorCoreCUDA`,
     on the definition whose sampled columns are rounded to the layer's float16 or bfloat16,
     which a tensor core multiplies; float32 accumulation), or None where the rule does not take
-    the layer. float32 never runs on tensor cores (no TF32)."""
-    func = _tensor_core_definition(shape, target, layout)
+    the layer. float32 never runs on tensor cores (no TF32). With ``min_pixels``, the kernel for
+    any size of the layer in the size class from ``min_pixels`` (see
+    :func:`tensor_core_pixel_classes`)."""
+    func = _tensor_core_definition(shape, target, layout, min_pixels)
     return None if func is None else SampleOnceTensorCoreCUDA().apply(func, target)
 
 
 def tensor_cores_take(shape: ConvShape, target: Target, layout: str = "NCHW") -> bool:
     """Whether :func:`tensor_core_schedule` has a schedule for ``shape`` on ``target``."""
     func = _tensor_core_definition(shape, target, layout)
-    return func is not None and TensorCoreCUDA().takes(func, target)
+    return func is not None and SampleOnceTensorCoreCUDA().takes(func, target)
+
+
+def tensor_core_pixel_classes(shape: ConvShape, target: Target) -> tuple[int, ...]:
+    """The size classes of :func:`tensor_core_schedule`'s kernels for any size of ``shape``'s
+    layer: the pixel counts (one image, padded) from which its tile changes, ascending, the
+    first 1."""
+    func = _tensor_core_definition(shape.any_size(), target, "NCHW", 1)
+    if func is None:
+        return (1,)
+    return SampleOnceTensorCoreCUDA().pixel_classes(func, target)
 
 
 def split_parts(shape: ConvShape, target: Target, layout: str = "NCHW") -> int:
@@ -231,9 +243,21 @@ def split_parts(shape: ConvShape, target: Target, layout: str = "NCHW") -> int:
     return SampleOnceCUDA().split_parts(definition.forward(shape, layout), target)
 
 
-def _tensor_core_definition(shape: ConvShape, target: Target, layout: str) -> tirx.PrimFunc | None:
-    """The definition the tensor-core rule is tried on (columns in the layer's half dtype), or
-    None where it is never tried: not CUDA, or a dtype tensor cores do not take."""
+def _tensor_core_definition(
+    shape: ConvShape, target: Target, layout: str, min_pixels: int | None = None
+) -> tirx.PrimFunc | None:
+    """The definition the tensor-core rule is tried on (columns in the layer's half dtype; with
+    ``min_pixels``, for any size), or None where it is never tried: not CUDA, or a dtype
+    tensor cores do not take."""
     if target.kind.name != "cuda" or shape.dtype not in TENSOR_CORE_MIN_ARCH:
         return None
-    return definition.forward(shape, layout, column_dtype=shape.dtype)
+    if min_pixels is None:
+        return definition.forward(shape, layout, column_dtype=shape.dtype)
+    return definition.forward(
+        shape.any_size(),
+        layout,
+        column_dtype=shape.dtype,
+        sizes="symbolic",
+        min_pixels=min_pixels,
+        staged_inputs=False,
+    )

@@ -23,9 +23,14 @@ The rule applies to ungrouped layers whose output channels, padded pixels and re
 multiple of ``PIXEL_QUANTUM``, which leaves out 48-pixel maps), on sm_70 and later for float16
 and sm_80 and later for bfloat16.
 
-It is not the forward's default (``schedules.tensor_core_schedule`` applies it): on an H200 it
-was slower than the CUDA-core schedule on 11 of the 14 suite layers it takes, its tiles of up to
-64x64 outputs leaving most of the GPU idle on the smaller maps.
+It is not the forward's default: on an H200 it was slower than the CUDA-core schedule on 11 of
+the 14 suite layers it takes, its tiles of up to 64x64 outputs leaving most of the GPU idle on
+the smaller maps, each output tile sampling its columns again.
+
+``SampleOnceTensorCoreCUDA`` multiplies the columns the default's sampling kernel writes once,
+with a GEMM of its own (pipelined 16-byte copies, tiles per image, at one size or for any size;
+see the class). ``schedules.tensor_core_schedule`` applies it; it is not the default either
+(no GPU has timed it).
 
 ``emulate=True`` applies the same tiling without the thread bindings, the fragments and the
 tensorization, with the shared buffers in global memory, which an LLVM target can compile and
@@ -49,7 +54,7 @@ from tvm_deform.schedules.common import (
 from tvm_deform.schedules.cuda import OnePassCUDA, SampleOnceCUDA
 from tvm_deform.schedules.rule import Choices, Rule
 
-from tvm_deform.ir.definition import PIXEL_QUANTUM
+from tvm_deform.ir.definition import PIXEL_QUANTUM, padded_pixels
 
 #: the side of a WMMA fragment (m16n16k16)
 FRAGMENT = 16
@@ -104,7 +109,14 @@ class TensorCoreCUDA(Rule):
 
     def _gemm(self, sch: s_tir.Schedule, target: Target) -> _Gemm | None:
         gemm = _Gemm.of(sch) if is_deform_conv(sch) else None
-        return gemm if gemm is not None and self._supported(target, gemm.dtype) else None
+        if gemm is None or not self._supported(target, gemm.dtype):
+            return None
+        if gemm.pixels % PIXEL_QUANTUM and gemm.pixels & (gemm.pixels - 1):
+            # e.g. 48-pixel maps: TVM failed to place the column fill of a 48-pixel map, whose
+            # fragments of (image, pixel) straddle images; the others of that kind are left
+            # out with it.
+            return None
+        return gemm
 
     def _supported(self, target: Target, dtype: str) -> bool:
         if self.emulate:
@@ -229,24 +241,28 @@ class SampleOnceTensorCoreCUDA(TensorCoreCUDA):
     or bfloat16, written once by ``SampleOnceCUDA``'s sampling kernel; a GEMM kernel that
     copies chunks of the weight and of the columns into shared memory and multiplies them with
     WMMA; the output stage as the third kernel. Not a default rule (no GPU has timed it); the
-    GPU session times it (``tensor_core_schedule``). Takes the layers ``TensorCoreCUDA``
-    takes, at one size.
+    GPU session times it (``tensor_core_schedule``). Takes the ungrouped layers whose output
+    channels, reduction and padded pixels are multiples of 16, at one size or for any size
+    (the pixels padded to ``PIXEL_QUANTUM``), on the architectures ``TensorCoreCUDA`` names.
 
-    Its GEMM differs from ``TensorCoreCUDA``'s, whose fill samples the columns:
+    ``C[n, o, p] += A[o, k] * B[n, k, p]``, ``k = (input channel, tap)``: tiles of one image's
+    pixels, so that no tile straddles images and the extents need not be known.
 
-    - the columns' chunk sits in shared memory as ``[reduction, pixel]``, the pixels
+    - The columns' chunk sits in shared memory as ``[reduction, pixel]``, the pixels
       contiguous as in the columns, and the weight's as ``[output channel, reduction]``, as
       in the weight: each thread copies 16 bytes at a time (8 values), and each row is
       padded to an odd multiple of 16 bytes so that the fragments' loads (``ldmatrix``, 8
-      rows of 16 bytes at once) meet no bank conflicts;
-    - the copies are pipelined over ``stages`` chunks (TVM's software pipeline): on sm_80 and
-      later asynchronous (``cp.async``), the next chunks loading while the tensor cores
-      multiply the current one;
-    - the accumulators go from the fragments straight to the float32 sums in global memory
-      (``[output channel, image x pixel]``), which the output stage reads;
-    - the thread block's tile is the largest of :attr:`tilings` that divides the GEMM and
+      rows of 16 bytes at once) meet no bank conflicts.
+    - The copies are pipelined over :attr:`stages` chunks (TVM's software pipeline, fewer
+      where their buffers would pass :attr:`shared_limit`): on sm_80 and later asynchronous
+      (``cp.async``), the next chunks loading while the tensor cores multiply the current one.
+    - The accumulators go from the fragments straight to the float32 sums in global memory
+      (``[image, output channel, pixel]``), which the output stage reads.
+    - The thread block's tile is the largest of :attr:`tilings` that divides the GEMM and
       still gives each multiprocessor a block (the target's count of them, else
-      :attr:`multiprocessors`), else the one that gives the most blocks.
+      :attr:`multiprocessors`), else the one that gives the most blocks; for any size, at the
+      fewest pixels of the size class (:meth:`pixel_classes`), of tiles that divide the
+      padding's quantum.
     """
 
     #: (warps, fragments a warp) along the output channels, then along the pixels, largest
@@ -272,18 +288,54 @@ class SampleOnceTensorCoreCUDA(TensorCoreCUDA):
         """``SampleOnceCUDA``'s sampling kernel, its default sizes."""
         SampleOnceCUDA(emulate=self.emulate).sampling(sch, Choices(sch, False))
 
+    def _gemm(self, sch: s_tir.Schedule, target: Target) -> _Gemm | None:
+        """The GEMM, at one size or for any size (its tiles never straddle images)."""
+        gemm = _Gemm.of(sch, any_size=True) if is_deform_conv(sch) else None
+        return gemm if gemm is not None and self._supported(target, gemm.dtype) else None
+
     def tiling(self, gemm: _Gemm, target: Target) -> tuple[int, int, int, int]:
         """(warps, fragments a warp) along the output channels and along the pixels of the
         thread block's tile for ``gemm`` on ``target`` (class docstring)."""
         wanted = facts(target).get("multiprocessors", self.multiprocessors)
-        rows, cols = gemm.rows // FRAGMENT, gemm.cols // FRAGMENT
+        rows, step = gemm.rows // FRAGMENT, gemm.pixel_step // FRAGMENT
+        pixels = -(-gemm.least_pixels // FRAGMENT)
         fitting = [
             (wi, fi, wj, fj)
             for (wi, fi), (wj, fj) in self.tilings
-            if rows % (wi * fi) == 0 and cols % (wj * fj) == 0
+            if rows % (wi * fi) == 0 and step % (wj * fj) == 0
         ]
-        blocks = lambda t: rows // (t[0] * t[1]) * (cols // (t[2] * t[3]))  # noqa: E731
+
+        def blocks(tiling: tuple[int, int, int, int]) -> int:
+            wi, fi, wj, fj = tiling
+            return gemm.batch * rows // (wi * fi) * -(-pixels // (wj * fj))
+
         return next((t for t in fitting if blocks(t) >= wanted), max(fitting, key=blocks))
+
+    def pixel_classes(self, func: tirx.PrimFunc, target: Target) -> tuple[int, ...]:
+        """The pixel counts (of one image, padded) from which :meth:`tiling` picks another
+        tile for ``func``'s layer, a PrimFunc for any size, on ``target``: ascending, the
+        first 1; a kernel for any size is built per class, tiled for the class's fewest
+        pixels. ``(1,)`` where the rule does not take the layer."""
+        gemm = self._gemm(s_tir.Schedule(func), target)
+        if gemm is None:
+            return (1,)
+        wanted = facts(target).get("multiprocessors", self.multiprocessors)
+        rows = gemm.rows // FRAGMENT
+        # where each tile first gives every multiprocessor a block, at one image
+        thresholds = sorted(
+            {
+                FRAGMENT * wj * fj * -(-wanted // (rows // (wi * fi)))
+                for (wi, fi), (wj, fj) in self.tilings
+                if rows % (wi * fi) == 0
+            }
+        )
+        classes, tiles = [1], [self.tiling(gemm.at_least(1), target)]
+        for pixels in thresholds:
+            tile = self.tiling(gemm.at_least(pixels), target)
+            if pixels > classes[-1] and tile != tiles[-1]:
+                classes.append(pixels)
+                tiles.append(tile)
+        return tuple(classes)
 
     def _pipeline_stages(self, tile_rows: int, tile_cols: int, depth: int) -> int:
         """The most chunks in flight, up to :attr:`stages`, whose buffers fit
@@ -310,21 +362,18 @@ class SampleOnceTensorCoreCUDA(TensorCoreCUDA):
 
     def _pipelined_gemm(self, sch: s_tir.Schedule, gemm: _Gemm, target: Target) -> None:
         conv = sch.get_sblock("conv")
-        # C[o, j] += A[o, k] * B[k, j], with j = (n, pixel), k = (input channel, tap); the sums
-        # laid out as C, the columns' copy as B.
-        pixels, taps = gemm.pixels, gemm.taps
-        sch.transform_block_layout(
-            conv, lambda n, o, p, rc, rk: (o, n * pixels + p, rc * taps + rk)
-        )
-        sch.transform_layout(conv, ("write", 0), lambda n, o, p: (o, n * pixels + p))
+        # C[n, o, p] += A[o, k] * B[n, k, p], with k = (input channel, tap): an image's tiles
+        # of pixels, the sums laid out as the definition has them, the columns' copy as B.
+        taps = gemm.taps
+        sch.transform_block_layout(conv, lambda n, o, p, rc, rk: (n, o, p, rc * taps + rk))
         weight_copy = sch.reindex(conv, ("read", 0))
         column_copy = sch.reindex(conv, ("read", 1))
-        sch.transform_layout(conv, ("read", 1), lambda j, k: (k, j))
+        sch.transform_layout(conv, ("read", 1), lambda n, p, k: (n, k, p))
 
         warps_i, frags_i, warps_j, frags_j = self.tiling(gemm, target)
         chunk = largest_divisor(gemm.depth // FRAGMENT, self.chunk_fragments)
         warps = warps_i * warps_j
-        i, j, k = sch.get_loops(conv)
+        n, i, j, k = sch.get_loops(conv)
         i, i_frag = sch.split(i, [None, FRAGMENT])
         j, j_frag = sch.split(j, [None, FRAGMENT])
         k, k_frag = sch.split(k, [None, FRAGMENT])
@@ -334,8 +383,8 @@ class SampleOnceTensorCoreCUDA(TensorCoreCUDA):
         i_block, i_warp, i_reg = sch.split(i, [None, warps_i, frags_i])
         j_block, j_warp, j_reg = sch.split(j, [None, warps_j, frags_j])
         k_chunk, k_reg = sch.split(k, [None, chunk])
-        sch.reorder(i_block, j_block, i_warp, j_warp, k_chunk, k_reg, i_reg, j_reg)
-        tile = sch.fuse(i_block, j_block)
+        sch.reorder(n, i_block, j_block, i_warp, j_warp, k_chunk, k_reg, i_reg, j_reg)
+        tile = sch.fuse(n, i_block, j_block)
         warp = sch.fuse(i_warp, j_warp)
         self._bind(sch, tile, "blockIdx.x")
         self._bind(sch, warp, "threadIdx.y")
@@ -354,7 +403,8 @@ class SampleOnceTensorCoreCUDA(TensorCoreCUDA):
             if not self.emulate:
                 # rows of an odd number of 16 bytes: 8 rows that ldmatrix reads at once
                 # start in 8 different 16-byte banks' groups
-                sch.storage_align(fill, 0, axis=0, factor=16, offset=8)
+                rank = len(sch.get(fill).writes[0].source.shape)
+                sch.storage_align(fill, 0, axis=rank - 2, factor=16, offset=8)
 
         if not self.emulate:
             fragment_a = sch.cache_read(outer, 0, "wmma.matrix_a")
@@ -386,35 +436,68 @@ class SampleOnceTensorCoreCUDA(TensorCoreCUDA):
 
 class _Gemm:
     """The GEMM of a forward PrimFunc as a tensor-core matrix product: ``rows`` output
-    channels, ``cols`` = batch x padded pixels, ``depth`` = input channels x taps."""
+    channels, ``cols`` = batch x padded pixels, ``depth`` = input channels x taps.
 
-    def __init__(self, rows: int, cols: int, depth: int, pixels: int, taps: int, dtype: str):
+    For a PrimFunc for any size, ``cols`` and ``pixels`` are expressions; ``batch`` is then 1
+    and ``least_pixels`` the padded pixels of the fewest its size class takes (its
+    ``min_pixels``), else the image's own. ``pixel_step``: what an image's padded pixels are
+    known to be a multiple of (its count, or the padding's quantum)."""
+
+    def __init__(
+        self,
+        rows: int,
+        cols,
+        depth: int,
+        pixels,
+        taps: int,
+        dtype: str,
+        batch: int = 1,
+        least_pixels: int | None = None,
+        pixel_step: int | None = None,
+    ):
         self.rows, self.cols, self.depth = rows, cols, depth
         self.pixels, self.taps, self.dtype = pixels, taps, dtype
+        self.batch = batch
+        self.least_pixels = pixels if least_pixels is None else least_pixels
+        self.pixel_step = pixels if pixel_step is None else pixel_step
 
     @classmethod
-    def of(cls, sch: s_tir.Schedule) -> _Gemm | None:
+    def of(cls, sch: s_tir.Schedule, any_size: bool = False) -> _Gemm | None:
+        """The GEMM of the PrimFunc in ``sch``, or None where tensor cores do not take it: a
+        PrimFunc for any size (unless ``any_size``), not the definition whose columns are
+        rounded to a half dtype, grouped, or extents that are not multiples of a fragment."""
         conv = sch.get(sch.get_sblock("conv"))
         weight = next(r.source for r in conv.reads if r.source.name == "weight")
         columns = sch.get(sch.get_sblock("columns")).writes[0].source
-        if not all(isinstance(d, tirx.IntImm) for d in conv.writes[0].source.shape):
-            return None  # a kernel for any size: the fragments' tiling needs the sizes
-        batch, out_channels, pixels = (int(d) for d in conv.writes[0].source.shape)
+        batch, out_channels, pixels = conv.writes[0].source.shape
         weight_in, taps = int(weight.shape[1]), int(weight.shape[2])
         dtype = str(weight.dtype)
         if dtype not in MIN_ARCH or str(columns.dtype) != dtype:
             return None  # not the definition with rounded columns
         if weight_in != int(columns.shape[1]):
             return None  # grouped: the columns' index depends on the output channel
-        gemm = cls(out_channels, batch * pixels, weight_in * taps, pixels, taps, dtype)
-        if any(extent % FRAGMENT for extent in (gemm.rows, gemm.cols, gemm.depth)):
+        rows, depth = int(out_channels), weight_in * taps
+        if isinstance(pixels, tirx.IntImm):
+            batch, pixels = int(batch), int(pixels)
+            gemm = cls(rows, batch * pixels, depth, pixels, taps, dtype, batch)
+        elif any_size:
+            attrs = sch.mod["main"].attrs
+            quantum = int(attrs["pixel_quantum"])
+            least = padded_pixels(int(attrs["min_pixels"]), quantum, always=True)
+            gemm = cls(rows, batch * pixels, depth, pixels, taps, dtype, 1, least, quantum)
+        else:
             return None
-        if pixels % PIXEL_QUANTUM and pixels & (pixels - 1):
-            # e.g. 24- or 48-pixel maps: TVM failed to place the column fill of a 48-pixel
-            # map, whose fragments of (image, pixel) straddle images; the others of that kind
-            # are left out with it.
+        if any(extent % FRAGMENT for extent in (gemm.rows, gemm.depth, gemm.pixel_step)):
             return None
         return gemm
+
+    def at_least(self, pixels: int) -> _Gemm:
+        """This GEMM for any size, at one image of at least ``pixels`` pixels (padded)."""
+        least = padded_pixels(pixels, self.pixel_step, always=True)
+        return _Gemm(
+            self.rows, self.cols, self.depth, self.pixels, self.taps, self.dtype, 1, least,
+            self.pixel_step,
+        )  # fmt: skip
 
 
 def _split_fragments(count: int, warps: int, fragments: int) -> tuple[int, int]:

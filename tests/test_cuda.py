@@ -556,6 +556,44 @@ def test_emulated_tensor_core_schedule_matches_torchvision(cfg, dtype, rule):
         assert_close(ours, torchvision.ops.deform_conv2d(**upcast), HALF_TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("min_pixels", [1, 256, 1024], ids=["16x16", "32x32", "64x64"])
+def test_one_emulated_tensor_core_kernel_takes_every_size(dtype, min_pixels):
+    """The tensor-core GEMM's kernel for any size (its tiles in three size classes on 16
+    multiprocessors: 16 x 16 outputs of one warp, 32 x 32 and 64 x 64 of four), emulated
+    on the CPU: within rounding of torchvision's float64 result on the same rounded inputs, at
+    sizes no suite layer has (odd maps, 1x1 maps, an empty batch, a batch of 3, maps of less
+    than one tile and of many)."""
+    name = str(dtype).removeprefix("torch.")
+    layer = ConvShape(
+        0, 32, 0, 0, 64, 3, 3, pad_h=1, pad_w=1, offset_groups=2, has_mask=True, has_bias=True,
+        dtype=name,
+    )  # fmt: skip
+    target = targets.cuda_target("sm_90", 16)
+    func = schedules._tensor_core_definition(layer, target, "NCHW", min_pixels)
+    sch = SampleOnceTensorCoreCUDA(emulate=True).apply(func, target)
+    assert sch is not None
+    kernel = tvm.compile(sch.mod, target=targets.host_target())["deform_conv2d"]
+    for batch, height, width in [(1, 13, 17), (2, 1, 1), (0, 9, 9), (3, 11, 6), (1, 30, 37)]:
+        shape = dataclasses.replace(layer, batch=batch, height=height, width=width)
+        inputs = random_inputs(shape)
+        ours = run_forward(shape, **inputs, kernel=kernel)
+        upcast = {k: v.double() if v is not None else None for k, v in inputs.items()}
+        expected = torchvision.ops.deform_conv2d(**upcast, **conv_kwargs(shape))
+        assert ours.shape == expected.shape and ours.dtype == dtype
+        assert_close(ours, expected, HALF_TOLERANCE[dtype], f"{batch}x{height}x{width}")
+
+
+def test_tensor_core_size_classes_follow_the_tile():
+    """The tensor-core kernels for any size change tile where a larger one first gives each
+    multiprocessor a block: the 128-channel layer on 132 multiprocessors from 544 pixels
+    (16 x 32 tiles, 136 of them), 1056 (32 x 32), 2112 (32 x 64) and 4224 (64 x 64)."""
+    shape = dataclasses.replace(SUITE["r50_c3_128x100x168"], dtype="float16")
+    target = targets.cuda_target("sm_90", 132)
+    assert schedules.tensor_core_pixel_classes(shape, target) == (1, 544, 1056, 2112, 4224)
+    assert schedules.tensor_core_pixel_classes(SUITE["r50_c3_128x100x168"], target) == (1,)
+
+
 @pytest.mark.slow
 def test_tensor_core_rule_takes_half_layers_and_leaves_the_rest():
     demo = SUITE["demo_64x56x56"]
@@ -601,10 +639,11 @@ def test_tensor_core_rule_takes_half_layers_and_leaves_the_rest():
         # 3 images of 16 pixels (an odd number of fragments), offset groups, mask and bias
         (ConvShape(3, 64, 5, 4, 16, 2, 3, pad_w=1, offset_groups=4, has_mask=True,
                    has_bias=True, dtype="float16"), True),
-        # maps of 24 and 48 pixels: left to the default schedule
+        # a map of 24 pixels (not a whole fragment): left to the default schedule; one of 48
+        # (three fragments, tiles of one image's pixels)
         (ConvShape(2, 64, 9, 11, 16, 2, 3, 1, 3, 0, 1, 1, 2, offset_groups=4, has_mask=True,
                    has_bias=True, dtype="float16"), False),
-        (ConvShape(1, 32, 4, 12, 32, 1, 1, dtype="float16"), False),
+        (ConvShape(1, 32, 4, 12, 32, 1, 1, dtype="float16"), True),
     ],
     ids=["one_fragment", "one_tap", "odd_fragments", "24_pixels", "48_pixels"],
 )  # fmt: skip
@@ -643,6 +682,37 @@ def test_tensor_core_kernels_build_to_mma_instructions(arch, dtype):
     copies = set(re.findall(r"cp\.async\.[\w.]+ \[[^]]+\], \[[^]]+\], (\d+)", ptx))
     assert copies == {"16"}, copies
     assert "cp.async.wait_group 1;" in ptx  # three chunks in flight: wait for the oldest
+
+
+def test_emulated_tensor_cores_on_maps_of_48_pixels():
+    """Two images of 48 pixels (three fragments each: the tiles stay within an image),
+    emulated: within rounding of torchvision's float64 result on the same inputs."""
+    shape = ConvShape(2, 32, 6, 8, 32, 3, 3, pad_h=1, pad_w=1, has_mask=True, dtype="float16")
+    func = definition.forward(shape, column_dtype="float16")
+    sch = SampleOnceTensorCoreCUDA(emulate=True).apply(func, targets.host_target())
+    kernel = tvm.compile(sch.mod, target=targets.host_target())["deform_conv2d"]
+    inputs = random_inputs(shape)
+    ours = run_forward(shape, **inputs, kernel=kernel)
+    upcast = {k: v.double() if v is not None else None for k, v in inputs.items()}
+    expected = torchvision.ops.deform_conv2d(**upcast, **conv_kwargs(shape))
+    assert_close(ours, expected, HALF_TOLERANCE[torch.float16])
+
+
+@needs_nvcc
+def test_tensor_core_kernels_for_any_size_build_without_spills():
+    """The half-precision kernels for any size of a suite layer on tensor cores, in its
+    smallest and largest size class, build with nvcc for sm_90 without spills, with
+    asynchronous copies and WMMA."""
+    shape = dataclasses.replace(SUITE["r50_c3_128x100x168"], dtype="bfloat16")
+    target = targets.cuda_target("sm_90", 132)
+    classes = schedules.tensor_core_pixel_classes(shape, target)
+    for min_pixels in (classes[0], classes[-1]):
+        sch = schedules.tensor_core_schedule(shape, target, min_pixels=min_pixels)
+        source = cuda_build.cuda_source(shape.any_size(), "sm_90", schedule=sch)
+        built = cuda_build.nvcc_build(source, "sm_90")
+        assert not built.spills(), (min_pixels, built.kernels)
+        ptx = cuda_build.nvcc_ptx(source, "sm_90")
+        assert "cp.async.cg.shared.global" in ptx and "wmma.mma.sync" in ptx, min_pixels
 
 
 def test_tensor_core_pipeline_is_synchronous_before_sm_80():

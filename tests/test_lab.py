@@ -186,6 +186,7 @@ def test_gpu_session_times_the_schedules_dispatch_does_not_pick(monkeypatch):
     monkeypatch.setattr(gpu_session, "_fused_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "_one_size_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "_tensor_core_kernel", cpu_kernel)
+    monkeypatch.setattr(gpu_session, "_tensor_core_any_size_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "times_wide_tile", lambda shape, target: True)
     monkeypatch.setattr(gpu_session, "_wide_tile_kernel", cpu_kernel)
     rows = gpu_session.time_layers({"seed": SUITE["seed"]}, "cpu", runs=3)
@@ -198,16 +199,19 @@ def test_gpu_session_times_the_schedules_dispatch_does_not_pick(monkeypatch):
         (gpu_session.ONE_SIZE, 8),
         (gpu_session.WIDE, 9),
         (gpu_session.TENSOR_CORES, 10),
+        (gpu_session.TENSOR_CORES_ANY_SIZE, 11),
     )
     for label, column in columns:
         assert by_name[label]["median_ms"] > 0 and by_name[label]["error"] < 1e-6
         assert line.split("|")[column].strip() == f"{by_name[label]['median_ms']:.3f}"
-    assert [header.split("|")[c].strip() for c in (6, 7, 8, 9, 10)] == [
+    assert [header.split("|")[c].strip() for c in (6, 7, 8, 9, 10, 11, 12)] == [
         "public op ms",
         "fused ms",
         "one size ms",
         "wide tile ms",
         "tensor cores ms",
+        "tensor cores, any size ms",
+        "conv2d ms",
     ]
     ours = by_name["tvm_deform default"]["median_ms"]
     expected = by_name["torchvision"]["median_ms"] / ours
@@ -235,6 +239,7 @@ def test_gpu_session_builds_the_extra_schedules_before_timing(monkeypatch):
     monkeypatch.setattr(gpu_session, "_fused_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "_one_size_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "_tensor_core_kernel", cpu_kernel)
+    monkeypatch.setattr(gpu_session, "_tensor_core_any_size_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "times_wide_tile", lambda shape, target: True)
     monkeypatch.setattr(gpu_session, "_wide_tile_kernel", cpu_kernel)
     kernels.clear_memory_cache()
@@ -252,6 +257,7 @@ def test_gpu_session_builds_the_extra_schedules_before_timing(monkeypatch):
         gpu_session.FUSED,
         gpu_session.WIDE,
         gpu_session.TENSOR_CORES,
+        gpu_session.TENSOR_CORES_ANY_SIZE,
     ):
         assert by_name[label]["median_ms"] > 0 and by_name[label]["error"] < 1e-6, label
 
