@@ -266,9 +266,11 @@ class SampleOnceTensorCoreCUDA(TensorCoreCUDA):
     """
 
     #: (warps, fragments a warp) along the output channels, then along the pixels, largest
-    #: tile first: 64 x 128, 64 x 64, 32 x 64, 32 x 32, 16 x 32 and 16 x 16 outputs
+    #: tile first: 64 x 128, 128 x 64 (a tile for any size is at most 64 pixels wide), 64 x 64,
+    #: 32 x 64, 32 x 32, 16 x 32 and 16 x 16 outputs
     tilings = (
         ((2, 2), (2, 4)),
+        ((2, 4), (2, 2)),
         ((2, 2), (2, 2)),
         ((1, 2), (2, 2)),
         ((1, 2), (1, 2)),

@@ -557,22 +557,25 @@ def test_emulated_tensor_core_schedule_matches_torchvision(cfg, dtype, rule):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("min_pixels", [1, 256, 1024], ids=["16x16", "32x32", "64x64"])
+@pytest.mark.parametrize("min_pixels", [1, 256, 1024], ids=["16x32", "32x64", "128x64"])
 def test_one_emulated_tensor_core_kernel_takes_every_size(dtype, min_pixels):
     """The tensor-core GEMM's kernel for any size (its tiles in three size classes on 16
-    multiprocessors: 16 x 16 outputs of one warp, 32 x 32 and 64 x 64 of four), emulated
+    multiprocessors: 16 x 32 outputs of one warp, 32 x 64 of two, 128 x 64 of four), emulated
     on the CPU: within rounding of torchvision's float64 result on the same rounded inputs, at
     sizes no suite layer has (odd maps, 1x1 maps, an empty batch, a batch of 3, maps of less
     than one tile and of many)."""
     name = str(dtype).removeprefix("torch.")
     layer = ConvShape(
-        0, 32, 0, 0, 64, 3, 3, pad_h=1, pad_w=1, offset_groups=2, has_mask=True, has_bias=True,
+        0, 32, 0, 0, 128, 3, 3, pad_h=1, pad_w=1, offset_groups=2, has_mask=True, has_bias=True,
         dtype=name,
     )  # fmt: skip
     target = targets.cuda_target("sm_90", 16)
     func = schedules._tensor_core_definition(layer, target, "NCHW", min_pixels)
-    sch = SampleOnceTensorCoreCUDA(emulate=True).apply(func, target)
-    assert sch is not None
+    rule = SampleOnceTensorCoreCUDA(emulate=True)
+    tiling = rule.tiling(_Gemm.of(s_tir.Schedule(func), any_size=True), target)
+    tile = {1: (16, 32), 256: (32, 64), 1024: (128, 64)}[min_pixels]
+    assert (16 * tiling[0] * tiling[1], 16 * tiling[2] * tiling[3]) == tile
+    sch = rule.apply(func, target)
     kernel = tvm.compile(sch.mod, target=targets.host_target())["deform_conv2d"]
     for batch, height, width in [(1, 13, 17), (2, 1, 1), (0, 9, 9), (3, 11, 6), (1, 30, 37)]:
         shape = dataclasses.replace(layer, batch=batch, height=height, width=width)
@@ -587,10 +590,12 @@ def test_one_emulated_tensor_core_kernel_takes_every_size(dtype, min_pixels):
 def test_tensor_core_size_classes_follow_the_tile():
     """The tensor-core kernels for any size change tile where a larger one first gives each
     multiprocessor a block: the 128-channel layer on 132 multiprocessors from 544 pixels
-    (16 x 32 tiles, 136 of them), 1056 (32 x 32), 2112 (32 x 64) and 4224 (64 x 64)."""
+    (16 x 32 tiles, 136 of them), 1056 (32 x 32), 2112 (32 x 64), 4224 (64 x 64) and 8448
+    (128 x 64); the smallest maps, 16 x 16 tiles."""
     shape = dataclasses.replace(SUITE["r50_c3_128x100x168"], dtype="float16")
     target = targets.cuda_target("sm_90", 132)
-    assert schedules.tensor_core_pixel_classes(shape, target) == (1, 544, 1056, 2112, 4224)
+    classes = (1, 544, 1056, 2112, 4224, 8448)
+    assert schedules.tensor_core_pixel_classes(shape, target) == classes
     assert schedules.tensor_core_pixel_classes(SUITE["r50_c3_128x100x168"], target) == (1,)
 
 
@@ -736,8 +741,8 @@ def test_tensor_core_pipeline_is_synchronous_before_sm_80():
         ("r50_c4_256x50x84", 132, (64, 128)),
         # 512 x 128 outputs (100 pixels, padded): never enough, the most blocks (16 x 16)
         ("r50dcn320_c5_512x10x10", 132, (16, 16)),
-        # 128 x 16832: 64 x 128 does not divide the 1052 pixel fragments; 64 x 64 does
-        ("r50_c3_128x100x168", 132, (64, 64)),
+        # 128 x 16832: 64 x 128 does not divide the 1052 pixel fragments; 128 x 64 does
+        ("r50_c3_128x100x168", 132, (128, 64)),
     ],
 )
 def test_tensor_core_tile_fills_the_gpu(name, multiprocessors, tile):
