@@ -392,7 +392,7 @@ class SampleOnceTensorCoreCUDA(TensorCoreCUDA):
         self._bind(sch, warp, "threadIdx.y")
 
         # Each chunk's weights and columns, copied by every thread of the block, 16 bytes
-        # at a time (the last round predicated where the threads do not divide the chunk).
+        # at a time (with every tiling, the block's threads x 8 values divide both chunks).
         for index, copy in ((0, weight_copy), (1, column_copy)):
             fill = sch.cache_read(outer, index, self._scope("shared"))
             sch.compute_at(fill, k_chunk)

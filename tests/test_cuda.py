@@ -1311,3 +1311,14 @@ def test_a_misaligned_weight_is_copied_for_the_gpu():
     copy = aligned(view, CUDA_WEIGHT_ALIGNMENT)
     assert copy.data_ptr() % CUDA_WEIGHT_ALIGNMENT == 0 and torch.equal(copy, view)
     assert aligned(whole, CUDA_WEIGHT_ALIGNMENT) is whole
+
+
+@pytest.mark.parametrize("chunk", [1, 2], ids=["chunk16", "chunk32"])
+def test_tensor_core_copies_divide_among_the_threads(chunk):
+    """Every tiling's chunks of the weight and of the columns divide into the thread block's
+    threads x 8 values: the 16-byte copies need no predicate (a predicated vector copy does
+    not build)."""
+    for (wi, fi), (wj, fj) in SampleOnceTensorCoreCUDA.tilings:
+        threads = wi * wj * SampleOnceTensorCoreCUDA.warp_size * SampleOnceTensorCoreCUDA.vector
+        depth = chunk * 16
+        assert (wi * fi * 16 * depth) % threads == 0 and (depth * wj * fj * 16) % threads == 0
