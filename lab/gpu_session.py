@@ -24,7 +24,8 @@ call cut short keeps what was done; the exit code is non-zero if any step failed
    a kernel: not bfloat16), our default kernel (for any size) and tuned kernels (through their
    handles), the public ``deform_conv2d`` as users call it, the fused structure (the columns
    sampled per output tile), the default's kernel for the layer's size alone, the wide tile
-   (``WideTileCUDA``, 8 x 8 register blocks) of float32 layers it takes, the tensor-core
+   (``WideTileCUDA``, 8 x 8 register blocks) of float32 layers it takes, the default's
+   structure with its copies pipelined (``PipelinedCUDA``), the tensor-core
    schedule of float16 and bfloat16 layers it takes (its kernel for this size, and the one for
    any size of the layer in this size's class), and cuDNN's dense
    ``conv2d``; each row is written as it is timed, and ``OUT/gpu_results.md`` holds the table;
@@ -85,6 +86,7 @@ ONE_SIZE = "one size (static kernel)"
 TENSOR_CORES = "tensor cores (SampleOnceTensorCoreCUDA)"
 TENSOR_CORES_ANY_SIZE = "tensor cores, any size (SampleOnceTensorCoreCUDA)"
 WIDE = "wide tile (WideTileCUDA)"
+PIPELINED = "pipelined (PipelinedCUDA)"
 #: our kernels that dispatch may run, timed through their handles: the speed-ups take the best
 KERNELS = ("tvm_deform default", "tvm_deform tuned")
 #: the label of the rows that time the public ``deform_conv2d``, as users call it (argument
@@ -294,6 +296,10 @@ def time_layers(
                     variants[WIDE] = lambda typed=typed, args=args: _runner(
                         typed, _wide_tile_kernel(typed, target), args
                     )
+                if compares_structures(target):
+                    variants[PIPELINED] = lambda typed=typed, args=args: _runner(
+                        typed, _pipelined_kernel(typed, target), args
+                    )
                 if schedules.tensor_cores_take(typed, target):
                     variants[TENSOR_CORES] = lambda typed=typed, args=args: _runner(
                         typed, _tensor_core_kernel(typed, target), args
@@ -382,6 +388,16 @@ def _wide_tile_kernel(shape: ConvShape, target) -> kernels.Kernel:
     )
 
 
+def _pipelined_kernel(shape: ConvShape, target) -> kernels.Kernel:
+    """``PipelinedCUDA`` (the default's structure, its copies pipelined two chunks deep): its
+    kernel for this size alone, to compare with the default's (``ONE_SIZE``)."""
+    from tvm_deform.schedules.cuda import PipelinedCUDA
+
+    return kernels.load_scheduled(
+        shape, target, "pipelined", lambda: PipelinedCUDA().apply(definition.forward(shape), target)
+    )
+
+
 def _tensor_core_kernel(shape: ConvShape, target) -> kernels.Kernel:
     """The half-precision layer on tensor cores: the timing that tells whether they should be
     the default again."""
@@ -432,9 +448,9 @@ def markdown(rows: list[dict]) -> str:
     where an implementation has no time: torchvision in a dtype it lacks, or a failure)."""
     lines = [
         "| layer | dtype | torchvision ms | ours default ms | ours tuned ms | public op ms "
-        "| fused ms | one size ms | wide tile ms | tensor cores ms | tensor cores, any size ms "
-        "| conv2d ms | speed-up (best) | best / conv2d | error |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| fused ms | one size ms | wide tile ms | pipelined ms | tensor cores ms "
+        "| tensor cores, any size ms | conv2d ms | speed-up (best) | best / conv2d | error |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     grouped: dict[tuple[str, str], dict[str, dict]] = {}
     for row in rows:
@@ -448,7 +464,7 @@ def markdown(rows: list[dict]) -> str:
             f"| {layer} | {dtype} | {_ms(found, 'torchvision')} "
             f"| {_ms(found, 'tvm_deform default')} | {_ms(found, 'tvm_deform tuned')} "
             f"| {_ms(found, PUBLIC_OP)} | {_ms(found, FUSED)} | {_ms(found, ONE_SIZE)} "
-            f"| {_ms(found, WIDE)} | {_ms(found, TENSOR_CORES)} "
+            f"| {_ms(found, WIDE)} | {_ms(found, PIPELINED)} | {_ms(found, TENSOR_CORES)} "
             f"| {_ms(found, TENSOR_CORES_ANY_SIZE)} | {_ms(found, 'conv2d (dense)')} "
             f"| {_ratio(found, 'torchvision', best)} "
             f"| {_ratio(found, 'conv2d (dense)', best, inverse=True)} | {error} |"
@@ -992,13 +1008,18 @@ def _build_one(shape: ConvShape, device: str) -> None:
     if compares_structures(target):
         _fused_kernel(shape, target)
         _one_size_kernel(shape, target)
+        with contextlib.suppress(Exception):
+            _pipelined_kernel(shape, target)
     if times_wide_tile(shape, target):
         # A design space that does not build is the timing row's result, not the session's end.
         with contextlib.suppress(Exception):
             _wide_tile_kernel(shape, target)
     if schedules.tensor_cores_take(shape, target):
-        _tensor_core_kernel(shape, target)
-        _tensor_core_any_size_kernel(shape, target)
+        # As the wide tile: a failure to build is the timing row's result.
+        with contextlib.suppress(Exception):
+            _tensor_core_kernel(shape, target)
+        with contextlib.suppress(Exception):
+            _tensor_core_any_size_kernel(shape, target)
 
 
 def session_shapes(suite: dict[str, ConvShape], device: str, checks: int) -> list[ConvShape]:

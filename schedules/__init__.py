@@ -31,6 +31,7 @@ from tvm_deform.schedules.cpu_backward import (
 )
 from tvm_deform.schedules.cuda import (
     OnePassCUDA,
+    PipelinedCUDA,
     SampleOnceCUDA,
     SplitReductionCUDA,
     WideTileCUDA,
@@ -54,6 +55,7 @@ RULES: tuple[Rule, ...] = (
     GradInputCPU(),
     SampleOnceCUDA(),
     WideTileCUDA(),
+    PipelinedCUDA(),
     SplitReductionCUDA(),
     OnePassCUDA(),
     TensorCoreCUDA(),
@@ -198,8 +200,9 @@ def forward_schedule(
     the definition; with ``min_pixels``, of the PrimFunc for any size (batch, height and width
     symbolic) whose maps have at least that many pixels (see :func:`pixel_classes`). float16
     and bfloat16 layers compute on the CUDA cores too (columns and sums in float32): on an H200
-    the tensor-core schedule (:func:`tensor_core_schedule`) was slower than the CUDA-core one
-    on 11 of the 14 suite layers it takes, so it is not the default."""
+    the fused tensor-core schedule (``TensorCoreCUDA``) was slower than the CUDA-core one on 11
+    of the 14 suite layers it takes, and the one that replaced it
+    (:func:`tensor_core_schedule`) is untimed."""
     if min_pixels is None:
         return apply_default("forward", definition.forward(shape, layout), target)
     return apply_default("forward", _any_size_definition(shape, target, layout, min_pixels), target)
@@ -226,8 +229,9 @@ def tensor_cores_take(shape: ConvShape, target: Target, layout: str = "NCHW") ->
 
 def tensor_core_pixel_classes(shape: ConvShape, target: Target) -> tuple[int, ...]:
     """The size classes of :func:`tensor_core_schedule`'s kernels for any size of ``shape``'s
-    layer: the pixel counts (one image, padded) from which its tile changes, ascending, the
-    first 1."""
+    layer: the pixel counts of one image from which its tile changes, ascending, the first 1
+    (a call's map, its pixels padded to ``PIXEL_QUANTUM``, runs the kernel of the last class
+    at or below that count)."""
     func = _tensor_core_definition(shape.any_size(), target, "NCHW", 1)
     if func is None:
         return (1,)

@@ -128,3 +128,24 @@ def parallel_tiles(sch: s_tir.Schedule, batch, tiles, images_inside: bool = Fals
     fused = sch.fuse(tiles, batch)
     sch.parallel(fused)
     return fused
+
+
+def asynchronous_copies(target: Target) -> bool:
+    """Whether ``target`` copies global to shared memory asynchronously (``cp.async``: CUDA
+    from sm_80)."""
+    if target.kind.name != "cuda":
+        return False
+    arch = str(target.attrs.get("arch", ""))
+    return arch.startswith("sm_") and int(arch.removeprefix("sm_").rstrip("a")) >= 80
+
+
+def pipeline_copies(sch: s_tir.Schedule, loop, stages: int, asynchronous: bool) -> None:
+    """Pipeline ``loop``, whose body is two shared-memory fills then the computation that
+    reads them, over ``stages`` iterations (TVM's software pipeline: the fills of the next
+    ``stages - 1`` iterations run ahead of the computation, each in buffers of its own), the
+    fills asynchronous (``cp.async``, where TVM's ``tirx.use_async_copy`` is on) with
+    ``asynchronous``."""
+    sch.annotate(loop, "software_pipeline_stage", [0, 0, stages - 1])
+    sch.annotate(loop, "software_pipeline_order", [0, 1, 2])
+    if asynchronous:
+        sch.annotate(loop, "software_pipeline_async_stages", [0])

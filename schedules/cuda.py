@@ -26,10 +26,12 @@ from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm_deform.schedules.common import (
     GEOMETRY,
+    asynchronous_copies,
     facts,
     geometry_blocks,
     is_deform_conv,
     largest_divisor,
+    pipeline_copies,
 )
 from tvm_deform.schedules.rule import Choices, Rule
 
@@ -74,6 +76,9 @@ class OnePassCUDA(Rule):
     chunk = 32
     #: threads per block of the elementwise geometry kernels
     geometry_threads = 256
+    #: chunks of the reduction whose shared-memory copies are in flight at once (1: each
+    #: chunk is copied, then multiplied)
+    stages = 1
 
     def __init__(self, emulate: bool = False):
         self.emulate = emulate
@@ -201,12 +206,15 @@ class OnePassCUDA(Rule):
         block: str = "conv",
         pixel_tile: tuple | None = None,
         chunk=None,
+        asynchronous: bool = False,
     ) -> None:
         """Tile the GEMM ``block``: ``conv`` itself, whose epilogue then runs from the
         registers, or the partial sums of a split reduction (``conv_rf``, with the part as its
         fourth loop), each part a thread block of its own, written back from the registers.
         ``pixel_tile`` (threads, registers along the pixels) and ``chunk`` (input channels per
-        shared-memory chunk) default to the rule's; any tile size may be a sampled choice."""
+        shared-memory chunk) default to the rule's; any tile size may be a sampled choice.
+        With :attr:`stages` above 1 and ``asynchronous`` (``cp.async``), the chunks' copies
+        are pipelined: the fills must be copies, not the sampling itself."""
         conv = sch.get_sblock(block)
         columns = sch.get_sblock("columns")
         output = sch.get_sblock("output")
@@ -251,6 +259,9 @@ class OnePassCUDA(Rule):
         sch.unroll(o_reg)
         sch.unroll(p_reg)
         sch.decompose_reduction(conv, r_outer)
+        if self.stages > 1 and asynchronous and not self.emulate:
+            # The body of r_outer: the weights' copy, the columns' copy, the multiplication.
+            pipeline_copies(sch, r_outer, self.stages, asynchronous=True)
 
 
 class SplitReductionCUDA(OnePassCUDA):
@@ -496,11 +507,16 @@ class SampleOnceCUDA(SplitReductionCUDA):
             lambda c: one_pass or c == default_chunk,
         )
         self.sampling(sch, choose)
+        asynchronous = asynchronous_copies(target)
         if one_pass:
-            self._gemm(sch, threads, rows, pixel_tile=pixel_tile, chunk=chunk)
+            self._gemm(
+                sch, threads, rows, pixel_tile=pixel_tile, chunk=chunk, asynchronous=asynchronous
+            )
             return sch
         self._split(sch, parts)
-        self._gemm(sch, threads, rows, block="conv_rf", pixel_tile=pixel_tile)
+        self._gemm(
+            sch, threads, rows, block="conv_rf", pixel_tile=pixel_tile, asynchronous=asynchronous
+        )
         self._sum_parts(sch)
         return sch
 
@@ -630,3 +646,19 @@ class WideTileCUDA(SampleOnceCUDA):
         if not any(self.fits(sch, t, r, self.budget(target)) for t, r in self.out_tiles):
             return None
         return super().apply(func, target, tunable)
+
+
+class PipelinedCUDA(SampleOnceCUDA):
+    """``SampleOnceCUDA`` with its GEMM's shared-memory copies pipelined two chunks deep on
+    sm_80 and later: while the threads multiply one chunk of the weight and the columns, the
+    next chunk's copies are in flight (``cp.async``, which waits for nothing until the chunk
+    is needed). Each chunk's buffers are doubled, so each takes half the default's share of
+    shared memory (the tiles chosen for that budget). The same sums in the same order as the
+    default's. Before sm_80 (no ``cp.async``: a copy issued ahead stalls its thread) the
+    default's structure in those tiles, unpipelined. Not a default rule (no GPU has timed it):
+    a design space, whose schedule as generated each first tuning round measures beside the
+    default's, and a column of the GPU session."""
+
+    default = False
+    stages = 2
+    shared_share = SampleOnceCUDA.shared_share / 2

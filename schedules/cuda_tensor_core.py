@@ -46,9 +46,11 @@ from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm_deform.schedules.common import (
     GEOMETRY,
+    asynchronous_copies,
     facts,
     is_deform_conv,
     largest_divisor,
+    pipeline_copies,
     tensor_intrinsics,
 )
 from tvm_deform.schedules.cuda import OnePassCUDA, SampleOnceCUDA
@@ -253,9 +255,11 @@ class SampleOnceTensorCoreCUDA(TensorCoreCUDA):
       in the weight: each thread copies 16 bytes at a time (8 values), and each row is
       padded to an odd multiple of 16 bytes so that the fragments' loads (``ldmatrix``, 8
       rows of 16 bytes at once) meet no bank conflicts.
-    - The copies are pipelined over :attr:`stages` chunks (TVM's software pipeline, fewer
-      where their buffers would pass :attr:`shared_limit`): on sm_80 and later asynchronous
-      (``cp.async``), the next chunks loading while the tensor cores multiply the current one.
+    - On sm_80 and later the copies are asynchronous (``cp.async``) and pipelined over
+      :attr:`stages` chunks (TVM's software pipeline; fewer where their buffers would pass
+      :attr:`shared_limit`, or where the reduction has fewer chunks), the next chunks loading
+      while the tensor cores multiply the current one; before, each chunk is copied, then
+      multiplied.
     - The accumulators go from the fragments straight to the float32 sums in global memory
       (``[image, output channel, pixel]``), which the output stage reads.
     - The thread block's tile is the largest of :attr:`tilings` that divides the GEMM and
@@ -314,10 +318,11 @@ class SampleOnceTensorCoreCUDA(TensorCoreCUDA):
         return next((t for t in fitting if blocks(t) >= wanted), max(fitting, key=blocks))
 
     def pixel_classes(self, func: tirx.PrimFunc, target: Target) -> tuple[int, ...]:
-        """The pixel counts (of one image, padded) from which :meth:`tiling` picks another
-        tile for ``func``'s layer, a PrimFunc for any size, on ``target``: ascending, the
-        first 1; a kernel for any size is built per class, tiled for the class's fewest
-        pixels. ``(1,)`` where the rule does not take the layer."""
+        """The pixel counts of one image from which :meth:`tiling` picks another tile for
+        ``func``'s layer, a PrimFunc for any size, on ``target``: ascending, the first 1; a
+        kernel for any size is built per class, tiled for the class's fewest pixels (a call's
+        padded count picks the last class at or below it). ``(1,)`` where the rule does not
+        take the layer."""
         gemm = self._gemm(s_tir.Schedule(func), target)
         if gemm is None:
             return (1,)
@@ -344,11 +349,6 @@ class SampleOnceTensorCoreCUDA(TensorCoreCUDA):
         :attr:`shared_limit` (two bytes a value)."""
         padded = (depth + 8) * tile_rows + (tile_cols + 8) * depth  # rows padded by 8 values
         return max(1, min(self.stages, self.shared_limit // (2 * padded)))
-
-    def _asynchronous(self, target: Target) -> bool:
-        """Whether the copies can be asynchronous: ``cp.async`` exists from sm_80."""
-        arch = str(target.attrs.get("arch", "")) if target.kind.name == "cuda" else ""
-        return arch.startswith("sm_") and int(arch.removeprefix("sm_").rstrip("a")) >= 80
 
     def apply(
         self, func: tirx.PrimFunc, target: Target, tunable: bool = False
@@ -419,15 +419,16 @@ class SampleOnceTensorCoreCUDA(TensorCoreCUDA):
         if self.emulate:
             return  # the pipeline changes when values are copied, not which
 
-        stages = self._pipeline_stages(
-            warps_i * frags_i * FRAGMENT, warps_j * frags_j * FRAGMENT, chunk * FRAGMENT
-        )
-        if stages > 1:
-            # The body of k_chunk: the weights' copy, the columns' copy, the multiplication.
-            sch.annotate(k_chunk, "software_pipeline_stage", [0, 0, stages - 1])
-            sch.annotate(k_chunk, "software_pipeline_order", [0, 1, 2])
-            if self._asynchronous(target):
-                sch.annotate(k_chunk, "software_pipeline_async_stages", [0])
+        # Without cp.async (before sm_80) a copy issued ahead stalls its thread until the load
+        # arrives: no overlap to gain, only buffers. No more stages than chunks either.
+        if asynchronous_copies(target):
+            stages = self._pipeline_stages(
+                warps_i * frags_i * FRAGMENT, warps_j * frags_j * FRAGMENT, chunk * FRAGMENT
+            )
+            stages = min(stages, gemm.depth // (chunk * FRAGMENT))
+            if stages > 1:
+                # The body of k_chunk: the weights' copy, the columns' copy, the multiplication.
+                pipeline_copies(sch, k_chunk, stages, asynchronous=True)
         intrinsics = wmma_intrinsics(gemm.dtype, trans_b=False, store_scope="global")
         for fragment, name in ((fragment_a, "load_a"), (fragment_b, "load_b")):
             self._tensorize_2d(sch, fragment, intrinsics[name])

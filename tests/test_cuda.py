@@ -19,6 +19,7 @@ from tvm.s_tir import meta_schedule as ms
 from tvm_deform.schedules.cuda import (
     STATIC_SHARED_MEMORY,
     OnePassCUDA,
+    PipelinedCUDA,
     SampleOnceCUDA,
     SplitReductionCUDA,
     WideTileCUDA,
@@ -33,7 +34,7 @@ from tvm_deform import deform_conv2d, schedules
 from tvm_deform.binding.ops import run_forward
 from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape
-from tvm_deform.runtime import records, targets
+from tvm_deform.runtime import kernels, records, targets
 from tvm_deform.runtime.inputs import conv_kwargs, random_inputs
 from tvm_deform.tools import cuda_build
 from tvm_deform.tools.cli import main
@@ -426,6 +427,46 @@ def test_emulated_wide_tile_schedule_matches_torchvision(shape):
         assert_close(run_forward(shape, **inputs, kernel=kernel), expected, 1e-6)
 
 
+def test_emulated_pipelined_schedule_matches_torchvision():
+    """``PipelinedCUDA`` (the default's structure, half its shared memory a chunk), per size
+    and for any size, without the thread bindings and the pipeline, run on the CPU."""
+    shape = WIDE_LAYERS[2]
+    inputs = random_inputs(shape)
+    expected = torchvision.ops.deform_conv2d(**inputs, **conv_kwargs(shape))
+    host = targets.host_target()
+    symbolic = definition.forward(shape, sizes="symbolic", staged_inputs=False)
+    for func in (definition.forward(shape), symbolic):
+        sch = PipelinedCUDA(emulate=True).apply(func, host)
+        kernel = tvm.compile(sch.mod, target=host)["deform_conv2d"]
+        assert_close(run_forward(shape, **inputs, kernel=kernel), expected, 1e-6)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90"])
+def test_the_pipelined_schedule_copies_asynchronously_from_sm_80(arch):
+    """``PipelinedCUDA``'s kernels, for one size and any size (one split, one not), build
+    without spills; from sm_80 its GEMM copies each chunk with cp.async (4 bytes a copy) and
+    waits for all but the newest chunk's copies; before sm_80, plain copies. The default's
+    GEMM copies as before: no cp.async."""
+    target = targets.cuda_target(arch, 132)
+    for name in ("demo_64x56x56", "r50dcn320_c5_512x10x10"):
+        for func in (
+            definition.forward(SUITE[name]),
+            schedules._any_size_definition(SUITE[name].any_size(), target),
+        ):
+            sch = PipelinedCUDA().apply(func, target)
+            source = cuda_build.cuda_source(SUITE[name], arch, schedule=sch)
+            assert not cuda_build.nvcc_build(source, arch).spills(), name
+            ptx = cuda_build.nvcc_ptx(source, arch)
+            copies = set(re.findall(r"cp\.async\.\w+\.shared\.global[^;]*, (\d+);", ptx))
+            if arch == "sm_75":
+                assert not copies
+            else:
+                assert copies == {"4"} and "cp.async.wait_group 0;" in ptx, (name, copies)
+    default = cuda_build.cuda_source(SUITE["demo_64x56x56"], "sm_90")
+    assert "cp_async" not in default
+
+
 def test_the_wide_tile_takes_layers_with_64_output_channels_a_group():
     target = targets.cuda_target("sm_90", 132)
     taken = {n for n, s in SUITE.items() if WideTileCUDA().apply(definition.forward(s), target)}
@@ -590,8 +631,8 @@ def test_one_emulated_tensor_core_kernel_takes_every_size(dtype, min_pixels):
 def test_tensor_core_size_classes_follow_the_tile():
     """The tensor-core kernels for any size change tile where a larger one first gives each
     multiprocessor a block: the 128-channel layer on 132 multiprocessors from 544 pixels
-    (16 x 32 tiles, 136 of them), 1056 (32 x 32), 2112 (32 x 64), 4224 (64 x 64) and 8448
-    (128 x 64); the smallest maps, 16 x 16 tiles."""
+    (16 x 32 tiles: 8 x 17 of them at 544), 1056 (32 x 32), 2112 (32 x 64), 4224 (64 x 64) and
+    8448 (128 x 64); the smallest maps, 16 x 16 tiles."""
     shape = dataclasses.replace(SUITE["r50_c3_128x100x168"], dtype="float16")
     target = targets.cuda_target("sm_90", 132)
     classes = (1, 544, 1056, 2112, 4224, 8448)
@@ -654,13 +695,18 @@ def test_tensor_core_rule_takes_half_layers_and_leaves_the_rest():
 )  # fmt: skip
 def test_small_half_layers_compile_for_cuda(shape, on_tensor_cores):
     """Small layers, where tiles of one fragment and unit loops appear, compile for sm_80 with
-    the schedule that takes them (a random sweep of such layers once found two that did not)."""
+    the schedule that takes them (a random sweep of such layers once found two that did not),
+    as the op compiles them (asynchronous copies on); a reduction of one or two chunks is not
+    pipelined deeper than its chunks."""
     target = targets.cuda_target("sm_80")
     sch = schedules.tensor_core_schedule(shape, target) or schedules.forward_schedule(shape, target)
-    with target:
-        built = tvm.compile(sch.mod, target=target)
+    built = kernels.compile_schedule(sch, target)
     source = "\n".join(m.inspect_source("cuda") for m in built.mod.imports if m.kind == "cuda")
     assert ("wmma::mma_sync" in source) == on_tensor_cores
+    if on_tensor_cores:
+        fragments = shape.in_channels * shape.taps // 16
+        chunks = fragments // (2 if fragments % 2 == 0 else 1)  # chunks of 2 fragments, or 1
+        assert ("cp_async" in source) == (chunks > 1), chunks
 
 
 @needs_nvcc
@@ -686,7 +732,8 @@ def test_tensor_core_kernels_build_to_mma_instructions(arch, dtype):
     assert all(m.endswith(expected) for m in mma), mma
     copies = set(re.findall(r"cp\.async\.[\w.]+ \[[^]]+\], \[[^]]+\], (\d+)", ptx))
     assert copies == {"16"}, copies
-    assert "cp.async.wait_group 1;" in ptx  # three chunks in flight: wait for the oldest
+    # three chunks in flight: the main loop waits for all but the two newest chunks' copies
+    assert "cp.async.wait_group 2;" in ptx
 
 
 def test_emulated_tensor_cores_on_maps_of_48_pixels():
@@ -718,6 +765,25 @@ def test_tensor_core_kernels_for_any_size_build_without_spills():
         assert not built.spills(), (min_pixels, built.kernels)
         ptx = cuda_build.nvcc_ptx(source, "sm_90")
         assert "cp.async.cg.shared.global" in ptx and "wmma.mma.sync" in ptx, min_pixels
+
+
+def test_kernels_compile_in_the_callers_pass_context_with_async_copies():
+    """``targets.compiling`` adds the async-copy option to the pass context a CUDA kernel
+    compiles in and keeps the caller's options; the default kernels' code is the same with or
+    without it (only copies a schedule pipelines asynchronously change)."""
+    target = targets.cuda_target("sm_90")
+    with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):
+        with targets.compiling(target):
+            config = tvm.transform.PassContext.current().config
+    assert config["tirx.use_async_copy"] and config["tirx.disable_cse_tir"]
+    sch = schedules.forward_schedule(SUITE["demo_64x56x56"], target)
+    with target:
+        plain = tvm.compile(sch.mod, target=target)
+
+    def source(built):
+        return "\n".join(m.inspect_source("cuda") for m in built.mod.imports if m.kind == "cuda")
+
+    assert source(plain) == source(kernels.compile_schedule(sch, target))
 
 
 def test_tensor_core_pipeline_is_synchronous_before_sm_80():

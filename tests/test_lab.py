@@ -185,6 +185,7 @@ def test_gpu_session_times_the_schedules_dispatch_does_not_pick(monkeypatch):
     monkeypatch.setattr(gpu_session, "compares_structures", lambda target: True)
     monkeypatch.setattr(gpu_session, "_fused_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "_one_size_kernel", cpu_kernel)
+    monkeypatch.setattr(gpu_session, "_pipelined_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "_tensor_core_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "_tensor_core_any_size_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "times_wide_tile", lambda shape, target: True)
@@ -198,17 +199,19 @@ def test_gpu_session_times_the_schedules_dispatch_does_not_pick(monkeypatch):
         (gpu_session.FUSED, 7),
         (gpu_session.ONE_SIZE, 8),
         (gpu_session.WIDE, 9),
-        (gpu_session.TENSOR_CORES, 10),
-        (gpu_session.TENSOR_CORES_ANY_SIZE, 11),
+        (gpu_session.PIPELINED, 10),
+        (gpu_session.TENSOR_CORES, 11),
+        (gpu_session.TENSOR_CORES_ANY_SIZE, 12),
     )
     for label, column in columns:
         assert by_name[label]["median_ms"] > 0 and by_name[label]["error"] < 1e-6
         assert line.split("|")[column].strip() == f"{by_name[label]['median_ms']:.3f}"
-    assert [header.split("|")[c].strip() for c in (6, 7, 8, 9, 10, 11, 12)] == [
+    assert [header.split("|")[c].strip() for c in range(6, 14)] == [
         "public op ms",
         "fused ms",
         "one size ms",
         "wide tile ms",
+        "pipelined ms",
         "tensor cores ms",
         "tensor cores, any size ms",
         "conv2d ms",
@@ -238,6 +241,7 @@ def test_gpu_session_builds_the_extra_schedules_before_timing(monkeypatch):
     monkeypatch.setattr(gpu_session, "compares_structures", lambda target: True)
     monkeypatch.setattr(gpu_session, "_fused_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "_one_size_kernel", cpu_kernel)
+    monkeypatch.setattr(gpu_session, "_pipelined_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "_tensor_core_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "_tensor_core_any_size_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "times_wide_tile", lambda shape, target: True)
@@ -256,6 +260,7 @@ def test_gpu_session_builds_the_extra_schedules_before_timing(monkeypatch):
         "tvm_deform default",
         gpu_session.FUSED,
         gpu_session.WIDE,
+        gpu_session.PIPELINED,
         gpu_session.TENSOR_CORES,
         gpu_session.TENSOR_CORES_ANY_SIZE,
     ):

@@ -202,9 +202,11 @@ def test_a_cuda_round_holds_cubins_and_the_launches_that_run_them(tmp_path, caps
         "data", "offset", "mask", "weight", "bias", "output",
     ]  # fmt: skip
     assert backward["op"] == "backward"
-    # Seeds first: the default, then each rule's own schedule, the wide tile's among them.
+    # Seeds first: the default, then each rule's own schedule, the wide tile's and the
+    # pipelined one's among them.
     seeds = [e["seed"] for e in forward["candidates"] if "seed" in e]
-    assert seeds[0] == "default" and {"SampleOnceCUDA", "WideTileCUDA"} <= set(seeds)
+    assert seeds[0] == "default"
+    assert {"SampleOnceCUDA", "WideTileCUDA", "PipelinedCUDA"} <= set(seeds)
     assert backward["candidates"][0]["seed"] == "default"
     for workload in (forward, backward):
         names = {a["name"] for a in workload["args"]}

@@ -39,6 +39,7 @@ from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import diskcache, hardware, launcher, records, workspace
 from tvm_deform.runtime.targets import (
+    CUDA_COMPILE_CONFIG,
     compiling,
     hardware_key,
     host_target,
@@ -72,11 +73,13 @@ class BackwardKernels(NamedTuple):
 
 @functools.cache
 def source_digest() -> str:
-    """Digest of the sources that decide what a kernel computes and how it is scheduled."""
+    """Digest of the sources that decide what a kernel computes and how it is scheduled, and
+    of the options it compiles with."""
     digest = hashlib.sha256()
     for package in (definition, schedules):
         for source in sorted(Path(inspect.getfile(package)).parent.glob("*.py")):
             digest.update(source.read_bytes())
+    digest.update(repr(sorted(CUDA_COMPILE_CONFIG.items())).encode())
     return digest.hexdigest()[:16]
 
 

@@ -63,15 +63,32 @@ def codegen_target(target: Target) -> Target:
     return Target({**target.export(), "opt-level": CPU_OPT_LEVEL})
 
 
+#: the options of TVM's lowering that CUDA kernels compile with: the copies a schedule
+#: pipelines asynchronously become ``cp.async`` (sm_80 and later; a schedule marks them only
+#: there); no other kernel's code changes
+CUDA_COMPILE_CONFIG = {"tirx.use_async_copy": True}
+
+
 @contextlib.contextmanager
 def compiling(target: Target) -> Iterator[Target]:
     """The context a kernel for ``target`` compiles in: :func:`codegen_target`'s target
-    entered, and on CUDA, TVM's pass that turns the copies a schedule pipelines
-    asynchronously into ``cp.async`` (sm_80 and later; a schedule marks them only there).
-    Yields the target to compile for."""
+    entered, and on CUDA the current pass context with :data:`CUDA_COMPILE_CONFIG` added (its
+    optimisation level, passes, instruments and other options kept). Yields the target to
+    compile for."""
     target = codegen_target(target)
-    config = {"tirx.use_async_copy": True} if target.kind.name == "cuda" else {}
-    with tvm.transform.PassContext(config=config), target:
+    if target.kind.name != "cuda":
+        with target:
+            yield target
+        return
+    current = tvm.transform.PassContext.current()
+    context = tvm.transform.PassContext(
+        opt_level=current.opt_level,
+        required_pass=list(current.required_pass),
+        disabled_pass=list(current.disabled_pass),
+        instruments=list(current.instruments),
+        config={**current.config, **CUDA_COMPILE_CONFIG},
+    )
+    with context, target:
         yield target
 
 
