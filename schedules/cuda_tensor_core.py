@@ -98,7 +98,7 @@ class TensorCoreCUDA(Rule):
         if gemm is None:
             return None
         self._sampling(sch)
-        self._schedule_gemm(sch, gemm)
+        self._schedule_gemm(sch, gemm, target)
         OnePassCUDA(self.emulate).elementwise(sch, sch.get_sblock("output"))  # the epilogue
         return sch
 
@@ -137,7 +137,7 @@ class TensorCoreCUDA(Rule):
         if not self.emulate:
             sch.bind(loop, thread)
 
-    def _schedule_gemm(self, sch: s_tir.Schedule, gemm: _Gemm) -> None:
+    def _schedule_gemm(self, sch: s_tir.Schedule, gemm: _Gemm, target: Target) -> None:
         conv = sch.get_sblock("conv")
         # C[o, j] += A[o, k] * B[j, k], with j = (n, pixel), k = (input channel, tap).
         pixels, taps = gemm.pixels, gemm.taps
@@ -152,23 +152,10 @@ class TensorCoreCUDA(Rule):
         warps_j, frags_j = _split_fragments(gemm.cols // FRAGMENT, self.warps, self.fragments)
         chunk = largest_divisor(gemm.depth // FRAGMENT, self.chunk_fragments)
         warps = warps_i * warps_j
-
-        i, j, k = sch.get_loops(conv)
-        i, i_frag = sch.split(i, [None, FRAGMENT])
-        j, j_frag = sch.split(j, [None, FRAGMENT])
-        k, k_frag = sch.split(k, [None, FRAGMENT])
-        sch.reorder(i, j, k, i_frag, j_frag, k_frag)
         inner = conv
-        outer = sch.blockize(i_frag)
-
-        i_block, i_warp, i_reg = sch.split(i, [None, warps_i, frags_i])
-        j_block, j_warp, j_reg = sch.split(j, [None, warps_j, frags_j])
-        k_chunk, k_reg = sch.split(k, [None, chunk])
-        sch.reorder(i_block, j_block, i_warp, j_warp, k_chunk, k_reg, i_reg, j_reg)
-        tile = sch.fuse(i_block, j_block)
-        warp = sch.fuse(i_warp, j_warp)
-        self._bind(sch, tile, "blockIdx.x")
-        self._bind(sch, warp, "threadIdx.y")
+        outer, warp, k_chunk, k_reg = self._tile_fragments(
+            sch, conv, (warps_i, frags_i, warps_j, frags_j), chunk
+        )
 
         # The chunk's weights and sampled columns, filled by every thread of the block.
         # The operands in static shared memory, the float32 accumulators (below) in dynamic
@@ -197,12 +184,7 @@ class TensorCoreCUDA(Rule):
         # The accumulators go through shared memory to the output stage.
         staged = sch.cache_write(outer, 0, self._scope("shared.dyn"))
         if not self.emulate:
-            fragment_a = sch.cache_read(outer, 0, "wmma.matrix_a")
-            fragment_b = sch.cache_read(outer, 1, "wmma.matrix_b")
-            sch.compute_at(fragment_a, k_reg)
-            sch.compute_at(fragment_b, k_reg)
-            accumulator = sch.cache_write(outer, 0, "wmma.accumulator")
-            sch.reverse_compute_at(accumulator, warp)
+            fragments = self._wmma_fragments(sch, outer, warp, k_reg)
         sch.reverse_compute_at(staged, warp)
         sch.reverse_compute_inline(result_copy)
         self._store(sch, staged)
@@ -210,12 +192,53 @@ class TensorCoreCUDA(Rule):
         if self.emulate:
             return
 
-        intrinsics = wmma_intrinsics(gemm.dtype)
+        self._tensorize(sch, wmma_intrinsics(gemm.dtype), fragments, init, inner)
+
+    def _wmma_fragments(self, sch: s_tir.Schedule, outer, warp, k_reg) -> tuple:
+        """The WMMA fragments of the blockized GEMM ``outer``: A's and B's, loaded at each
+        fragment of a chunk (``k_reg``), and the accumulators, stored once a warp's
+        reduction ends (``warp``)."""
+        fragment_a = sch.cache_read(outer, 0, "wmma.matrix_a")
+        fragment_b = sch.cache_read(outer, 1, "wmma.matrix_b")
+        sch.compute_at(fragment_a, k_reg)
+        sch.compute_at(fragment_b, k_reg)
+        accumulator = sch.cache_write(outer, 0, "wmma.accumulator")
+        sch.reverse_compute_at(accumulator, warp)
+        return fragment_a, fragment_b, accumulator
+
+    def _tensorize(self, sch: s_tir.Schedule, intrinsics: dict, fragments, init, inner) -> None:
+        """Tensorize the fragments' loads and store, the accumulators' initialisation
+        (``init``) and the multiply-add (``inner``) with ``intrinsics``."""
+        fragment_a, fragment_b, accumulator = fragments
         for fragment, name in ((fragment_a, "load_a"), (fragment_b, "load_b")):
             self._tensorize_2d(sch, fragment, intrinsics[name])
         self._tensorize_2d(sch, accumulator, intrinsics["store"])
         sch.tensorize(sch.get_loops(sch.get_child_blocks(init)[0])[-2], intrinsics["init"])
         sch.tensorize(sch.get_loops(inner)[-3], intrinsics["compute"])
+
+    def _tile_fragments(self, sch: s_tir.Schedule, conv, tiling: tuple, chunk: int) -> tuple:
+        """Tile the GEMM block ``conv``, whose last three loops are the output channels, the
+        pixels and the reduction (any loops above them, e.g. the images, join the thread
+        blocks): 16 x 16 x 16 fragments, blockized (``conv`` becomes their inner block);
+        ``tiling`` = (warps, fragments a warp) along the channels, then the pixels; ``chunk``
+        fragments of the reduction per shared-memory chunk. Returns the blockized block, the
+        warp loop, the chunk loop and the loop over a chunk's fragments."""
+        warps_i, frags_i, warps_j, frags_j = tiling
+        *above, i, j, k = sch.get_loops(conv)
+        i, i_frag = sch.split(i, [None, FRAGMENT])
+        j, j_frag = sch.split(j, [None, FRAGMENT])
+        k, k_frag = sch.split(k, [None, FRAGMENT])
+        sch.reorder(i, j, k, i_frag, j_frag, k_frag)
+        outer = sch.blockize(i_frag)
+        i_block, i_warp, i_reg = sch.split(i, [None, warps_i, frags_i])
+        j_block, j_warp, j_reg = sch.split(j, [None, warps_j, frags_j])
+        k_chunk, k_reg = sch.split(k, [None, chunk])
+        sch.reorder(*above, i_block, j_block, i_warp, j_warp, k_chunk, k_reg, i_reg, j_reg)
+        tile = sch.fuse(*above, i_block, j_block)
+        warp = sch.fuse(i_warp, j_warp)
+        self._bind(sch, tile, "blockIdx.x")
+        self._bind(sch, warp, "threadIdx.y")
+        return outer, warp, k_chunk, k_reg
 
     def _columns(self, sch: s_tir.Schedule) -> None:
         """Place the sampled columns: inlined into the GEMM's fill (sampled straight into
@@ -350,19 +373,7 @@ class SampleOnceTensorCoreCUDA(TensorCoreCUDA):
         padded = (depth + 8) * tile_rows + (tile_cols + 8) * depth  # rows padded by 8 values
         return max(1, min(self.stages, self.shared_limit // (2 * padded)))
 
-    def apply(
-        self, func: tirx.PrimFunc, target: Target, tunable: bool = False
-    ) -> s_tir.Schedule | None:
-        sch = s_tir.Schedule(func)
-        gemm = self._gemm(sch, target)
-        if gemm is None:
-            return None
-        self._sampling(sch)
-        self._pipelined_gemm(sch, gemm, target)
-        OnePassCUDA(self.emulate).elementwise(sch, sch.get_sblock("output"))  # the epilogue
-        return sch
-
-    def _pipelined_gemm(self, sch: s_tir.Schedule, gemm: _Gemm, target: Target) -> None:
+    def _schedule_gemm(self, sch: s_tir.Schedule, gemm: _Gemm, target: Target) -> None:
         conv = sch.get_sblock("conv")
         # C[n, o, p] += A[o, k] * B[n, k, p], with k = (input channel, tap): an image's tiles
         # of pixels, the sums laid out as the definition has them, the columns' copy as B.
@@ -375,21 +386,10 @@ class SampleOnceTensorCoreCUDA(TensorCoreCUDA):
         warps_i, frags_i, warps_j, frags_j = self.tiling(gemm, target)
         chunk = largest_divisor(gemm.depth // FRAGMENT, self.chunk_fragments)
         warps = warps_i * warps_j
-        n, i, j, k = sch.get_loops(conv)
-        i, i_frag = sch.split(i, [None, FRAGMENT])
-        j, j_frag = sch.split(j, [None, FRAGMENT])
-        k, k_frag = sch.split(k, [None, FRAGMENT])
-        sch.reorder(i, j, k, i_frag, j_frag, k_frag)
         inner = conv
-        outer = sch.blockize(i_frag)
-        i_block, i_warp, i_reg = sch.split(i, [None, warps_i, frags_i])
-        j_block, j_warp, j_reg = sch.split(j, [None, warps_j, frags_j])
-        k_chunk, k_reg = sch.split(k, [None, chunk])
-        sch.reorder(n, i_block, j_block, i_warp, j_warp, k_chunk, k_reg, i_reg, j_reg)
-        tile = sch.fuse(n, i_block, j_block)
-        warp = sch.fuse(i_warp, j_warp)
-        self._bind(sch, tile, "blockIdx.x")
-        self._bind(sch, warp, "threadIdx.y")
+        outer, warp, k_chunk, k_reg = self._tile_fragments(
+            sch, conv, (warps_i, frags_i, warps_j, frags_j), chunk
+        )
 
         # Each chunk's weights and columns, copied by every thread of the block, 16 bytes
         # at a time (with every tiling, the block's threads x 8 values divide both chunks).
@@ -409,12 +409,7 @@ class SampleOnceTensorCoreCUDA(TensorCoreCUDA):
                 sch.storage_align(fill, 0, axis=rank - 2, factor=16, offset=8)
 
         if not self.emulate:
-            fragment_a = sch.cache_read(outer, 0, "wmma.matrix_a")
-            fragment_b = sch.cache_read(outer, 1, "wmma.matrix_b")
-            sch.compute_at(fragment_a, k_reg)
-            sch.compute_at(fragment_b, k_reg)
-            accumulator = sch.cache_write(outer, 0, "wmma.accumulator")
-            sch.reverse_compute_at(accumulator, warp)
+            fragments = self._wmma_fragments(sch, outer, warp, k_reg)
         init = sch.decompose_reduction(outer, k_chunk)
         if self.emulate:
             return  # the pipeline changes when values are copied, not which
@@ -430,11 +425,7 @@ class SampleOnceTensorCoreCUDA(TensorCoreCUDA):
                 # The body of k_chunk: the weights' copy, the columns' copy, the multiplication.
                 pipeline_copies(sch, k_chunk, stages, asynchronous=True)
         intrinsics = wmma_intrinsics(gemm.dtype, trans_b=False, store_scope="global")
-        for fragment, name in ((fragment_a, "load_a"), (fragment_b, "load_b")):
-            self._tensorize_2d(sch, fragment, intrinsics[name])
-        self._tensorize_2d(sch, accumulator, intrinsics["store"])
-        sch.tensorize(sch.get_loops(sch.get_child_blocks(init)[0])[-2], intrinsics["init"])
-        sch.tensorize(sch.get_loops(inner)[-3], intrinsics["compute"])
+        self._tensorize(sch, intrinsics, fragments, init, inner)
 
 
 class _Gemm:

@@ -413,30 +413,18 @@ WIDE_LAYERS = (
 )
 
 
+@pytest.mark.parametrize("rule", [WideTileCUDA, PipelinedCUDA], ids=["wide", "pipelined"])
 @pytest.mark.parametrize("shape", WIDE_LAYERS, ids=["64", "128", "grouped"])
-def test_emulated_wide_tile_schedule_matches_torchvision(shape):
-    """``WideTileCUDA`` (8 x 8 register blocks), per size and for any size, without the
-    thread bindings, run on the CPU."""
+def test_emulated_wide_tile_and_pipelined_schedules_match_torchvision(shape, rule):
+    """``WideTileCUDA`` (8 x 8 register blocks) and ``PipelinedCUDA`` (the default's
+    structure, half its shared memory a chunk), per size and for any size, without the thread
+    bindings (and the pipeline), run on the CPU."""
     inputs = random_inputs(shape)
     expected = torchvision.ops.deform_conv2d(**inputs, **conv_kwargs(shape))
     host = targets.host_target()
     symbolic = definition.forward(shape, sizes="symbolic", staged_inputs=False)
     for func in (definition.forward(shape), symbolic):
-        sch = WideTileCUDA(emulate=True).apply(func, host)
-        kernel = tvm.compile(sch.mod, target=host)["deform_conv2d"]
-        assert_close(run_forward(shape, **inputs, kernel=kernel), expected, 1e-6)
-
-
-def test_emulated_pipelined_schedule_matches_torchvision():
-    """``PipelinedCUDA`` (the default's structure, half its shared memory a chunk), per size
-    and for any size, without the thread bindings and the pipeline, run on the CPU."""
-    shape = WIDE_LAYERS[2]
-    inputs = random_inputs(shape)
-    expected = torchvision.ops.deform_conv2d(**inputs, **conv_kwargs(shape))
-    host = targets.host_target()
-    symbolic = definition.forward(shape, sizes="symbolic", staged_inputs=False)
-    for func in (definition.forward(shape), symbolic):
-        sch = PipelinedCUDA(emulate=True).apply(func, host)
+        sch = rule(emulate=True).apply(func, host)
         kernel = tvm.compile(sch.mod, target=host)["deform_conv2d"]
         assert_close(run_forward(shape, **inputs, kernel=kernel), expected, 1e-6)
 
