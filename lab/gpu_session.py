@@ -13,8 +13,9 @@ call cut short keeps what was done; the exit code is non-zero if any step failed
 2. first kernel: the demo layer's default kernel builds, runs and matches torchvision (about a
    minute); if it does not, the session stops here;
 3. build: every kernel the later steps run (the suite and the checks' configurations, in each
-   dtype, with the fused, one-size and tensor-core kernels the timing adds where they apply,
-   and the backward's in float32), compiled in parallel processes into the kernel cache;
+   dtype, with the fused, one-size, wide-tile, pipelined and tensor-core kernels the timing
+   adds where they apply, and the backward's in float32), compiled in parallel processes into
+   the kernel cache;
 4. check: random configurations against torchvision's CUDA ``deform_conv2d`` (float32, and
    float16/bfloat16 against float32 on the upcast inputs), the five gradients of a few against
    torchvision's and repeated to the bit, a forward of 70000 images and a backward of 7300
@@ -35,8 +36,9 @@ call cut short keeps what was done; the exit code is non-zero if any step failed
 7. host cost: the CPU time of one call of ours and of torchvision's, unsynchronised;
 8. profile: where a training step's time goes, kernel by kernel, on a few suite layers
    (``PROFILED``, float32): the device time of each kernel a forward and backward of ours and
-   of torchvision's launch (``torch.profiler``: TVM's launches too), into
-   ``OUT/gpu_profile.md``; on a CPU, the operators' own times;
+   of torchvision's launch (``torch.profiler``'s CUDA activity, which records every kernel the
+   process launches, TVM's included), into ``OUT/gpu_profile.md``; on a CPU, the operators'
+   own times;
 9. model (``--model``): R50-DCNv2 at batch 2, 640x640, in float32 and float16, with
    torchvision's op, ours and dense convs in place;
 10. round (``--round``): a round of tuning candidates built elsewhere (``tvm-deform

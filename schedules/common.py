@@ -139,13 +139,12 @@ def asynchronous_copies(target: Target) -> bool:
     return arch.startswith("sm_") and int(arch.removeprefix("sm_").rstrip("a")) >= 80
 
 
-def pipeline_copies(sch: s_tir.Schedule, loop, stages: int, asynchronous: bool) -> None:
+def pipeline_copies(sch: s_tir.Schedule, loop, stages: int) -> None:
     """Pipeline ``loop``, whose body is two shared-memory fills then the computation that
     reads them, over ``stages`` iterations (TVM's software pipeline: the fills of the next
     ``stages - 1`` iterations run ahead of the computation, each in buffers of its own), the
-    fills asynchronous (``cp.async``, where TVM's ``tirx.use_async_copy`` is on) with
-    ``asynchronous``."""
+    fills asynchronous (``cp.async``, where TVM's ``tirx.use_async_copy`` is on: see
+    :func:`asynchronous_copies` for the targets that have it)."""
     sch.annotate(loop, "software_pipeline_stage", [0, 0, stages - 1])
     sch.annotate(loop, "software_pipeline_order", [0, 1, 2])
-    if asynchronous:
-        sch.annotate(loop, "software_pipeline_async_stages", [0])
+    sch.annotate(loop, "software_pipeline_async_stages", [0])

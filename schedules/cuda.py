@@ -261,7 +261,7 @@ class OnePassCUDA(Rule):
         sch.decompose_reduction(conv, r_outer)
         if self.stages > 1 and asynchronous and not self.emulate:
             # The body of r_outer: the weights' copy, the columns' copy, the multiplication.
-            pipeline_copies(sch, r_outer, self.stages, asynchronous=True)
+            pipeline_copies(sch, r_outer, self.stages)
 
 
 class SplitReductionCUDA(OnePassCUDA):

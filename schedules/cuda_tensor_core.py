@@ -423,7 +423,7 @@ class SampleOnceTensorCoreCUDA(TensorCoreCUDA):
             stages = min(stages, gemm.depth // (chunk * FRAGMENT))
             if stages > 1:
                 # The body of k_chunk: the weights' copy, the columns' copy, the multiplication.
-                pipeline_copies(sch, k_chunk, stages, asynchronous=True)
+                pipeline_copies(sch, k_chunk, stages)
         intrinsics = wmma_intrinsics(gemm.dtype, trans_b=False, store_scope="global")
         self._tensorize(sch, intrinsics, fragments, init, inner)
 
