@@ -306,6 +306,7 @@ def time_layers(
                     variants[TENSOR_CORES] = lambda typed=typed, args=args: _runner(
                         typed, _tensor_core_kernel(typed, target), args
                     )
+                if schedules.tensor_cores_take(typed, target, any_size=True):
                     variants[TENSOR_CORES_ANY_SIZE] = lambda typed=typed, args=args: _runner(
                         typed, _tensor_core_any_size_kernel(typed, target), args
                     )
@@ -1016,10 +1017,11 @@ def _build_one(shape: ConvShape, device: str) -> None:
         # A design space that does not build is the timing row's result, not the session's end.
         with contextlib.suppress(Exception):
             _wide_tile_kernel(shape, target)
+    # As the wide tile: a failure to build is the timing row's result.
     if schedules.tensor_cores_take(shape, target):
-        # As the wide tile: a failure to build is the timing row's result.
         with contextlib.suppress(Exception):
             _tensor_core_kernel(shape, target)
+    if schedules.tensor_cores_take(shape, target, any_size=True):
         with contextlib.suppress(Exception):
             _tensor_core_any_size_kernel(shape, target)
 

@@ -221,9 +221,13 @@ def tensor_core_schedule(
     return None if func is None else SampleOnceTensorCoreCUDA().apply(func, target)
 
 
-def tensor_cores_take(shape: ConvShape, target: Target, layout: str = "NCHW") -> bool:
-    """Whether :func:`tensor_core_schedule` has a schedule for ``shape`` on ``target``."""
-    func = _tensor_core_definition(shape, target, layout)
+def tensor_cores_take(
+    shape: ConvShape, target: Target, layout: str = "NCHW", any_size: bool = False
+) -> bool:
+    """Whether :func:`tensor_core_schedule` has a schedule for ``shape`` on ``target``: for
+    its own size, or with ``any_size`` for every size of its layer (which also takes maps whose
+    pixels are not a multiple of a fragment, e.g. 7x7: they are padded)."""
+    func = _tensor_core_definition(shape, target, layout, 1 if any_size else None)
     return func is not None and SampleOnceTensorCoreCUDA().takes(func, target)
 
 

@@ -649,6 +649,13 @@ def test_tensor_core_rule_takes_half_layers_and_leaves_the_rest():
             dataclasses.replace(SUITE["depthwise_128x56x56"], dtype=dtype), sm_90
         )
         assert not on_tensor_cores(dataclasses.replace(SUITE["seed"], dtype=dtype), sm_90)
+        # A 7x7 map (49 pixels, not a whole number of fragments): no kernel for its own size,
+        # kernels for any size of its layer (the pixels padded)
+        small = ConvShape(2, 64, 7, 7, 64, 3, 3, pad_h=1, pad_w=1, dtype=dtype)
+        assert not on_tensor_cores(small, sm_90)
+        assert schedules.tensor_cores_take(small, sm_90, any_size=True)
+        assert "wmma" in schedules.tensor_core_schedule(small, sm_90, min_pixels=1).mod.script()
+        assert not schedules.tensor_cores_take(SUITE["seed"], sm_90, any_size=True)
     # float16 WMMA exists from sm_70, bfloat16 from sm_80
     assert on_tensor_cores(dataclasses.replace(demo, dtype="float16"), sm_75)
     assert not on_tensor_cores(dataclasses.replace(demo, dtype="bfloat16"), sm_75)

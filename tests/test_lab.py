@@ -181,7 +181,7 @@ def test_gpu_session_times_the_schedules_dispatch_does_not_pick(monkeypatch):
         return kernels.get_kernel(shape, target, tuned=False)
 
     monkeypatch.setattr(gpu_session.schedules, "split_parts", lambda shape, target: 4)
-    monkeypatch.setattr(gpu_session.schedules, "tensor_cores_take", lambda shape, target: True)
+    monkeypatch.setattr(gpu_session.schedules, "tensor_cores_take", lambda *args, **options: True)
     monkeypatch.setattr(gpu_session, "compares_structures", lambda target: True)
     monkeypatch.setattr(gpu_session, "_fused_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "_one_size_kernel", cpu_kernel)
@@ -237,7 +237,7 @@ def test_gpu_session_builds_the_extra_schedules_before_timing(monkeypatch):
         )
 
     monkeypatch.setenv("TVM_DEFORM_TUNED", "0")
-    monkeypatch.setattr(gpu_session.schedules, "tensor_cores_take", lambda shape, target: True)
+    monkeypatch.setattr(gpu_session.schedules, "tensor_cores_take", lambda *args, **options: True)
     monkeypatch.setattr(gpu_session, "compares_structures", lambda target: True)
     monkeypatch.setattr(gpu_session, "_fused_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "_one_size_kernel", cpu_kernel)
