@@ -208,6 +208,23 @@ def forward_schedule(
     return apply_default("forward", _any_size_definition(shape, target, layout, min_pixels), target)
 
 
+def replayed_any_size_schedule(
+    shape: ConvShape, target: Target, min_pixels: int, trace: s_tir.Trace
+) -> s_tir.Schedule | None:
+    """``trace`` (a tuned schedule of one size of ``shape``'s layer, postprocessing included)
+    replayed on the forward for any size of the layer in the size class from ``min_pixels``
+    (see :func:`forward_schedule`), or None where it does not replay there. The rules split
+    every loop with one factor left to TVM (``[None, f]``), so a replayed split covers any
+    extent (TVM predicates a ragged tile) and the kernel computes the same function; its tile
+    sizes are the ones tuned at that one size."""
+    sch = s_tir.Schedule(_any_size_definition(shape.any_size(), target, "NCHW", min_pixels))
+    try:
+        trace.apply_to_schedule(sch, remove_postproc=False)
+    except RuntimeError:  # TVM's errors (a block or loop the trace names is not there)
+        return None
+    return sch
+
+
 def tensor_core_schedule(
     shape: ConvShape, target: Target, layout: str = "NCHW", min_pixels: int | None = None
 ) -> s_tir.Schedule | None:

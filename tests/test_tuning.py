@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import warnings
@@ -16,7 +17,8 @@ from conftest import assert_close
 from reference import deform_conv2d_reference
 from tvm.s_tir import meta_schedule as ms
 
-from tvm_deform import deform_conv2d
+from tvm_deform import deform_conv2d, schedules
+from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import calls, dispatch, kernels, records, targets
 from tvm_deform.runtime.inputs import conv_kwargs, random_inputs
@@ -125,6 +127,53 @@ def test_default_schedule_is_measured_and_wins_when_faster(tuned, tmp_path, monk
     assert spaces == {"handwritten", records.DEFAULT_SPACE}
     assert kernels.resolve(TINY, targets.host_target()) is None
     check_against_reference(TINY)
+
+
+def test_a_tuned_size_gives_its_record_to_the_kernels_for_any_size_near_it(
+    tuned, tmp_path, monkeypatch
+):
+    """Where this machine's own logs chose a tuned record for a size of a layer, the kernel for
+    any size of that size's class replays the record: a call of another size runs it (not the
+    default schedule) and computes the reference's numbers."""
+    *_, out = tuned
+    target = targets.host_target()
+    key = targets.hardware_key(target)
+    shutil.copytree(out, tmp_path / "logs")
+    own = records.find_records(TINY, target, key, roots=[tmp_path / "logs"])
+    # The logs' decision through the op: the tuned record, 20% faster than the default.
+    options = dispatch.own_options(own)
+    decision = {"workload": "tiny", "choice": "handwritten",
+                "median_ms": {"default": 1.0, "handwritten": 0.8}}  # fmt: skip
+    (tmp_path / "logs" / key / records.LOGS_DECISIONS).write_text(
+        json.dumps({dispatch._logs_key(TINY, "forward", options): decision})
+    )
+    monkeypatch.setenv("TVM_DEFORM_LOGS", str(tmp_path / "logs"))
+    monkeypatch.delenv("TVM_DEFORM_SIZES", raising=False)  # kernels for any size
+    records.forget_databases()
+    chosen = kernels.resolve(TINY, target)
+    assert chosen is not None and chosen.space == "handwritten"
+    assert TINY in records.tuned_shapes(target)
+
+    layer = TINY.any_size()
+    classes = schedules.pixel_classes(TINY, target)
+    assert classes == (1,)  # one class: every size of the layer runs the record
+    found = kernels.class_records(TINY, target)
+    assert {c: r.identity for c, r in found.items()} == {1: chosen.identity}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # replayed and built: no fallback to the default
+        replayed = kernels._any_size_class(layer, target, "NCHW", 1, chosen)
+    default = kernels._any_size_class(layer, target, "NCHW", 1)
+    assert replayed is not default
+    for size in ((2, 9, 13), (1, 1, 1), (3, 17, 5)):
+        near = dataclasses.replace(TINY, batch=size[0], height=size[1], width=size[2])
+        assert kernels.any_size(near, target, True)
+        assert kernels.get_kernel(near, target) is replayed
+        check_against_reference(near)
+    # TVM_DEFORM_TUNED=0: the default schedule
+    assert kernels.get_kernel(dataclasses.replace(TINY, height=9), target, tuned=False) is default
+    # A trace that names blocks the forward does not have does not replay: None, not an error.
+    backward = schedules.apply_default("backward", definition.backward(TINY), target)
+    assert schedules.replayed_any_size_schedule(TINY, target, 1, backward.trace) is None
 
 
 def test_a_tune_without_its_work_directory_starts_from_the_logs(tuned, tmp_path, monkeypatch):

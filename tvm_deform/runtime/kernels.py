@@ -184,7 +184,7 @@ def compile_candidates(
     :func:`candidates`); for ahead-of-time compiling in parallel processes, which leaves the
     timing among them to the first use."""
     if op == "forward" and any_size(shape, target, env.tuned_enabled(), layout):
-        _any_size_kernel(shape, target, layout)
+        _any_size_kernel(shape, target, layout, env.tuned_enabled())
         return
     if op == "forward" and layout != "NCHW":
         load_kernel(shape, target, None, layout)
@@ -361,7 +361,7 @@ def get_kernel(
         if target.kind.name == "llvm":
             launcher.prepare()  # built meanwhile, if this call compiles
         if any_size(shape, target, tuned, layout):
-            return _any_size_kernel(shape, target, layout)
+            return _any_size_kernel(shape, target, layout, tuned)
         op = "forward" if layout == "NCHW" else f"forward_{layout.lower()}"
         key = _index_key(op, shape, target, tuned and layout == "NCHW")
         module = _from_index(key)
@@ -396,26 +396,59 @@ def any_size(
     )
 
 
-def _any_size_kernel(shape: ConvShape, target: Target, layout: str) -> Kernel:
+def _any_size_kernel(shape: ConvShape, target: Target, layout: str, tuned: bool = False) -> Kernel:
     """The kernel of ``shape``'s layer for every size, in the variant for ``shape``'s map size
     (see :func:`tvm_deform.schedules.pixel_classes`), memoised by the layer: a call of a new
     size finds it in memory. A layer's first call loads the kernels of all its size classes,
-    so that no later size compiles."""
+    so that no later size compiles. With ``tuned``, a class that holds a size this machine's
+    own logs tuned runs that record's schedule (see :func:`class_records`)."""
     classes = schedules.pixel_classes(shape, target)
     layer = shape.any_size()
 
     def load() -> dict[int, Kernel]:
+        tuned_classes = class_records(shape, target, classes) if tuned and layout == "NCHW" else {}
+
+        def one(min_pixels: int) -> Kernel:
+            return _any_size_class(layer, target, layout, min_pixels, tuned_classes.get(min_pixels))
+
         # The classes compile at once, each on a thread of its own (TVM's compiler and LLVM
         # release the GIL), as many at a time as this process has cores.
         workers = min(len(classes), hardware.detect().cores)
         if workers == 1:
-            return {c: _any_size_class(layer, target, layout, c) for c in classes}
+            return {c: one(c) for c in classes}
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            found = pool.map(lambda c: _any_size_class(layer, target, layout, c), classes)
-            return dict(zip(classes, found, strict=True))
+            return dict(zip(classes, pool.map(one, classes), strict=True))
 
-    found = _memoised(("forward_classes", layer, layout, _target_text(target)), load)
+    found = _memoised(("forward_classes", layer, layout, _target_text(target), tuned), load)
     return found[_size_class(shape, classes)]
+
+
+def class_records(
+    shape: ConvShape, target: Target, classes: tuple[int, ...] | None = None
+) -> dict[int, records.TunedRecord]:
+    """The tuned records that the forward kernels for any size of ``shape``'s layer run, by
+    size class (of ``classes``, default the layer's): in a class that holds a size of the layer
+    whose exact shape this machine's own logs hold a record of that ran at least
+    ``records.MIN_TUNED_GAIN`` faster than the default (:func:`records.tuned_shapes`), the
+    record they choose for it (:func:`resolve`; of the size with the most pixels where a class
+    holds several). Its trace is replayed on the PrimFunc for any size
+    (:func:`tvm_deform.schedules.replayed_any_size_schedule`): the tiles tuned at one size
+    serve the sizes of its class, whose kernels are built for maps of that order; the other
+    classes run the default schedule. Tuning a layer at one size thus speeds up every size near
+    it, not the tuned size alone (which still runs its kernel for one size, see
+    :func:`any_size`)."""
+    layer = shape.any_size()
+    classes = classes or schedules.pixel_classes(shape, target)
+    sizes = sorted(
+        (s for s in records.tuned_shapes(target) if s.any_size() == layer),
+        key=lambda s: (s.out_h * s.out_w, s.batch, s.height, s.width),
+    )
+    found = {}
+    for size in sizes:
+        record = resolve(size, target, True)
+        if record is not None:
+            found[_size_class(size, classes)] = record
+    return found
 
 
 def _size_class(shape: ConvShape, classes: tuple[int, ...]) -> int:
@@ -425,7 +458,8 @@ def _size_class(shape: ConvShape, classes: tuple[int, ...]) -> int:
 
 
 def any_size_path(shape: ConvShape, target: Target, layout: str = "NCHW") -> Path:
-    """The file in the disk cache of the kernel for any size that a call of ``shape`` runs."""
+    """The file in the disk cache of the kernel for any size that a call of ``shape`` runs with
+    the default schedule."""
     chosen = _size_class(shape, schedules.pixel_classes(shape, target))
     return cache_path(shape.any_size(), target, "default", _any_size_op(layout, chosen))
 
@@ -434,20 +468,54 @@ def _any_size_op(layout: str, min_pixels: int) -> str:
     return f"forward_any_size_{min_pixels}" + ("" if layout == "NCHW" else f"_{layout.lower()}")
 
 
-def _any_size_class(layer: ConvShape, target: Target, layout: str, min_pixels: int) -> Kernel:
+def _any_size_class(
+    layer: ConvShape,
+    target: Target,
+    layout: str,
+    min_pixels: int,
+    record: records.TunedRecord | None = None,
+) -> Kernel:
+    """The kernel for any size of ``layer`` in the size class from ``min_pixels``: the default
+    schedule, or ``record``'s replayed (the default where it does not replay or build)."""
     op = _any_size_op(layout, min_pixels)
+    replayed = None
+    if record is not None:
+        replayed = schedules.replayed_any_size_schedule(
+            layer, target, min_pixels, record.record.trace
+        )
+        if replayed is None:
+            warnings.warn(
+                f"the tuned record ({record.space}) of a size of the layer does not replay on "
+                f"its {_describe(layer, target, op, 'default')}: default schedule",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            record = None
+
+    def compile_module() -> tvm.runtime.Module:
+        if replayed is not None:
+            try:
+                return compile_schedule(replayed, target)
+            except Exception as error:  # noqa: BLE001 - any build failure: the default's kernel
+                warnings.warn(
+                    f"the tuned record ({record.space}) replayed on the "
+                    f"{_describe(layer, target, op, 'default')} failed to build ({error}): "
+                    "default schedule",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        default = schedules.forward_schedule(layer, target, layout, min_pixels)
+        return compile_schedule(default, target)
+
+    schedule = _schedule_name(record)
 
     def load() -> Kernel:
-        module = _load_module(
-            cache_path(layer, target, "default", op),
-            lambda: compile_schedule(
-                schedules.forward_schedule(layer, target, layout, min_pixels), target
-            ),
-            _describe(layer, target, op, "default"),
-        )
-        return module["deform_conv2d"]
+        what = _describe(layer, target, op, "default" if record is None else record.space)
+        return _load_module(cache_path(layer, target, schedule, op), compile_module, what)[
+            "deform_conv2d"
+        ]
 
-    return _memoised(("forward", layer, layout, min_pixels, _target_text(target)), load)
+    return _memoised(("forward", layer, layout, min_pixels, _target_text(target), schedule), load)
 
 
 @functools.lru_cache(maxsize=64)
