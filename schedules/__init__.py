@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 
 from tvm import s_tir, tirx
+from tvm.s_tir.schedule import Instruction, Trace
 from tvm.target import Target
 from tvm_deform.schedules.common import lanes
 from tvm_deform.schedules.cpu import FORWARD_RULES as CPU_FORWARD_RULES
@@ -213,16 +214,57 @@ def replayed_any_size_schedule(
 ) -> s_tir.Schedule | None:
     """``trace`` (a tuned schedule of one size of ``shape``'s layer, postprocessing included)
     replayed on the forward for any size of the layer in the size class from ``min_pixels``
-    (see :func:`forward_schedule`), or None where it does not replay there. The rules split
-    every loop with one factor left to TVM (``[None, f]``), so a replayed split covers any
-    extent (TVM predicates a ragged tile) and the kernel computes the same function; its tile
-    sizes are the ones tuned at that one size."""
-    sch = s_tir.Schedule(_any_size_definition(shape.any_size(), target, "NCHW", min_pixels))
-    try:
-        trace.apply_to_schedule(sch, remove_postproc=False)
-    except RuntimeError:  # TVM's errors (a block or loop the trace names is not there)
+    (see :func:`forward_schedule`), or None where it does not replay there.
+
+    The rules split every loop with one factor left to TVM (``[None, f]``), so a replayed
+    split covers any extent (TVM predicates a ragged tile) and the kernel computes the same
+    function, with the tile sizes tuned at that one size. One step may not replay: a
+    ``decompose_reduction`` of a block whose bindings a symbolic size makes non-affine (the
+    sum of a split reduction's parts, its outputs' fused index divided by ``h * w``). Such a
+    step is left out where nothing later uses what it made: TVM's lowering then initialises
+    those sums itself, as it does in the default kernel for any size."""
+    func = _any_size_definition(shape.any_size(), target, "NCHW", min_pixels)
+    instructions = list(trace.insts)
+    decisions = dict(trace.decisions.items())
+    while True:
+        sch = s_tir.Schedule(func)
+        failed = _first_failing(func, instructions, decisions)
+        if failed is None:
+            Trace(instructions, decisions).apply_to_schedule(sch, remove_postproc=False)
+            return sch
+        step = instructions[failed]
+        later = [rv for inst in instructions[failed + 1 :] for rv in inst.inputs]
+        if step.kind.name != "DecomposeReduction" or any(
+            out.same_as(rv) for out in step.outputs for rv in later
+        ):
+            return None
+        del instructions[failed]
+
+
+def _first_failing(
+    func: tirx.PrimFunc, instructions: list[Instruction], decisions: dict
+) -> int | None:
+    """The index of the first of ``instructions`` that fails to replay on ``func`` (TVM's
+    errors: a block or loop it names is not there, a primitive's condition not met), or None
+    where they all replay. Bisects over prefixes: a trace replays in milliseconds."""
+
+    def replays(count: int) -> bool:
+        prefix = instructions[:count]
+        members = set(prefix)
+        kept = {inst: decision for inst, decision in decisions.items() if inst in members}
+        try:
+            Trace(prefix, kept).apply_to_schedule(s_tir.Schedule(func), remove_postproc=False)
+        except RuntimeError:
+            return False
+        return True
+
+    if replays(len(instructions)):
         return None
-    return sch
+    good, bad = 0, len(instructions)  # a prefix of ``good`` replays, of ``bad`` does not
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if replays(middle) else (good, middle)
+    return bad - 1
 
 
 def tensor_core_schedule(

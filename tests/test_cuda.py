@@ -4,6 +4,7 @@ GPU tests that run where torch sees one."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import shutil
 import subprocess
@@ -1383,3 +1384,46 @@ def test_tensor_core_copies_divide_among_the_threads(chunk):
         threads = wi * wj * SampleOnceTensorCoreCUDA.warp_size * SampleOnceTensorCoreCUDA.vector
         depth = chunk * 16
         assert (wi * fi * 16 * depth) % threads == 0 and (depth * wj * fj * 16) % threads == 0
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_a_cuda_rounds_candidates_replay_on_the_kernels_for_any_size(tmp_path):
+    """A CUDA record the logs choose serves the kernels for any size of its size class
+    (``kernels.class_records``). The candidates of a round, as their traces are committed,
+    replayed on the layer's PrimFunc for any size (sizes symbolic) in the class of their size:
+    every seed of the sample-once structures (the default's, the wide tile's, the pipelined
+    one's; one pass and split) and searched ones replay and build with nvcc for sm_90. (The
+    fused structures' seeds replay but stage more than 48 KiB of shared memory for symbolic
+    sizes, and one searched candidate keeps a local buffer of a symbolic size: such a build
+    fails, and dispatch runs the default schedule in that class instead.)"""
+    from tvm_deform.tools import rounds
+
+    layer = ConvShape(1, 64, 20, 20, 64, 3, 3, pad_h=1, pad_w=1, has_bias=True)
+    argv = ["tune-round", "--shape", json.dumps(dataclasses.asdict(layer)), "--op", "forward"]
+    argv += ["--arch", "sm_90", "--multiprocessors", "132", "--count", "12"]
+    argv += ["--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "round")]
+    assert main(argv) == 0  # the seeds (each design space's own schedule), then at random
+    described = json.loads((tmp_path / "round" / rounds.ROUND_FILE).read_text())
+    (workload,) = described["workloads"].values()
+    target = targets.cuda_target("sm_90", 132)
+    mod = records.workload_module(layer)
+    size_class = kernels._size_class(layer, schedules.pixel_classes(layer, target))
+    built = []
+    for entry in workload["candidates"]:
+        assert "error" not in entry, entry.get("error")
+        trace = rounds.measure_candidate(entry, mod).sch.trace
+        sch = schedules.replayed_any_size_schedule(layer, target, size_class, trace)
+        assert sch is not None, entry.get("seed", entry["id"])
+        try:
+            source = cuda_build.cuda_source(layer, "sm_90", schedule=sch)
+            machine = cuda_build.nvcc_build(source, "sm_90")
+        except RuntimeError:
+            machine = None
+        else:
+            assert re.search(r"int h, int n, int w\)", source)  # the sizes are arguments
+        built.append((entry.get("seed", "searched"), machine))
+    sample_once = ("default", "SampleOnceCUDA", "WideTileCUDA", "PipelinedCUDA")
+    assert sum(name in sample_once for name, _ in built) == 7  # the default, 2 spaces each
+    assert all(machine for name, machine in built if name in sample_once)
+    assert sum(machine is not None for name, machine in built if name == "searched") >= 1

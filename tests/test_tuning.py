@@ -129,18 +129,24 @@ def test_default_schedule_is_measured_and_wins_when_faster(tuned, tmp_path, monk
     check_against_reference(TINY)
 
 
-def test_a_tuned_size_gives_its_record_to_the_kernels_for_any_size_near_it(
-    tuned, tmp_path, monkeypatch
-):
-    """Where this machine's own logs chose a tuned record for a size of a layer, the kernel for
-    any size of that size's class replays the record: a call of another size runs it (not the
-    default schedule) and computes the reference's numbers."""
-    *_, out = tuned
+def choose_the_tuned_record(out: Path, tmp_path: Path, monkeypatch) -> records.TunedRecord:
+    """Logs in ``tmp_path`` copied from ``out`` whose decision through the op chose the tuned
+    record of ``TINY`` (20% faster than the default), in use, with kernels for any size. The
+    best record of the tuned space is made the rules' own schedule (the space as generated),
+    so that the test does not depend on which of the smoke tune's few trials came out best."""
     target = targets.host_target()
     key = targets.hardware_key(target)
     shutil.copytree(out, tmp_path / "logs")
+    handwritten = tmp_path / "logs" / key / "handwritten"
+    records.unpack_database(handwritten)  # edited in place below
+    db = ms.database.JSONDatabase(work_dir=str(handwritten), allow_missing=False)
+    mod = records.workload_module(TINY)
+    space = schedules.design_spaces("forward", mod["main"], target)[0]
+    arguments = ms.arg_info.ArgInfo.from_prim_func(mod["main"])
+    db.commit_tuning_record(
+        ms.database.TuningRecord(space.trace, db.commit_workload(mod), [1e-9], target, arguments)
+    )
     own = records.find_records(TINY, target, key, roots=[tmp_path / "logs"])
-    # The logs' decision through the op: the tuned record, 20% faster than the default.
     options = dispatch.own_options(own)
     decision = {"workload": "tiny", "choice": "handwritten",
                 "median_ms": {"default": 1.0, "handwritten": 0.8}}  # fmt: skip
@@ -152,8 +158,20 @@ def test_a_tuned_size_gives_its_record_to_the_kernels_for_any_size_near_it(
     records.forget_databases()
     chosen = kernels.resolve(TINY, target)
     assert chosen is not None and chosen.space == "handwritten"
-    assert TINY in records.tuned_shapes(target)
+    assert str(chosen.record.trace) == str(space.trace)
+    return chosen
 
+
+def test_a_tuned_size_gives_its_record_to_the_kernels_for_any_size_near_it(
+    tuned, tmp_path, monkeypatch
+):
+    """Where this machine's own logs chose a tuned record for a size of a layer, the kernel for
+    any size of that size's class replays the record: a call of another size runs it (not the
+    default schedule) and computes the reference's numbers."""
+    *_, out = tuned
+    chosen = choose_the_tuned_record(out, tmp_path, monkeypatch)
+    target = targets.host_target()
+    assert TINY in records.tuned_shapes(target)
     layer = TINY.any_size()
     classes = schedules.pixel_classes(TINY, target)
     assert classes == (1,)  # one class: every size of the layer runs the record
@@ -174,6 +192,42 @@ def test_a_tuned_size_gives_its_record_to_the_kernels_for_any_size_near_it(
     # A trace that names blocks the forward does not have does not replay: None, not an error.
     backward = schedules.apply_default("backward", definition.backward(TINY), target)
     assert schedules.replayed_any_size_schedule(TINY, target, 1, backward.trace) is None
+
+
+@pytest.mark.parametrize("failure", ["replay", "build"])
+def test_a_tuned_record_that_fails_for_any_size_leaves_the_default(
+    tuned, tmp_path, monkeypatch, failure
+):
+    """A chosen record whose trace does not replay on the PrimFunc for any size, or whose
+    replay does not build (e.g. a local buffer of a symbolic size), gives way to the default
+    schedule in its class, with a warning, not an error at the call."""
+    *_, out = tuned
+    chosen = choose_the_tuned_record(out, tmp_path, monkeypatch)
+    monkeypatch.setenv("TVM_DEFORM_CACHE", "0")  # compiled here, not loaded
+    target = targets.host_target()
+    replay, compile_schedule = schedules.replayed_any_size_schedule, kernels.compile_schedule
+    replayed = []
+
+    def replay_or_not(*args):
+        replayed.append(replay(*args) if failure == "build" else None)
+        return replayed[-1]
+
+    def failing(sch, target):
+        if any(sch is r for r in replayed):
+            raise RuntimeError("Can only handle constant size stack allocation for now")
+        return compile_schedule(sch, target)
+
+    monkeypatch.setattr(schedules, "replayed_any_size_schedule", replay_or_not)
+    monkeypatch.setattr(kernels, "compile_schedule", failing)
+    message = "does not replay" if failure == "replay" else "failed to build"
+    with pytest.warns(RuntimeWarning, match=message):
+        kernel = kernels._any_size_class(TINY.any_size(), target, "NCHW", 1, chosen)
+    assert replayed  # the record was tried
+    near = dataclasses.replace(TINY, batch=2, height=9, width=13)
+    inputs = random_inputs(near)
+    args = [inputs[k] for k in ("input", "offset", "weight", "bias", "mask")]
+    reference = deform_conv2d_reference(*args[:4], **conv_kwargs(near), mask=args[4])
+    assert_close(calls.run_forward(near, *args, kernel=kernel), reference, 1e-6)
 
 
 def test_a_tune_without_its_work_directory_starts_from_the_logs(tuned, tmp_path, monkeypatch):
