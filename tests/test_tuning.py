@@ -187,6 +187,10 @@ def test_a_tuned_size_gives_its_record_to_the_kernels_for_any_size_near_it(
         assert kernels.any_size(near, target, True)
         assert kernels.get_kernel(near, target) is replayed
         check_against_reference(near)
+    assert dispatch.describe(near, target) == (
+        "one kernel for every size of the layer; tuned here: handwritten for maps of 1+ pixels;"
+        " else default"
+    )
     # TVM_DEFORM_TUNED=0: the default schedule
     assert kernels.get_kernel(dataclasses.replace(TINY, height=9), target, tuned=False) is default
     # A trace that names blocks the forward does not have does not replay: None, not an error.

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
+import itertools
 import json
 import os
 import statistics
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 from tvm.target import Target
 
-from tvm_deform import __version__, env
+from tvm_deform import __version__, env, schedules
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import diskcache, kernels, records, targets
 from tvm_deform.runtime.inputs import random_inputs
@@ -247,7 +248,20 @@ def describe(shape: ConvShape, target: Target, op: str = "forward") -> str:
     """What ``shape``'s ``op`` runs on ``target`` and why, in words, without timing anything
     (for ``tvm-deform info``)."""
     if kernels.any_size(shape, target, env.tuned_enabled(), op=op):
-        return "default schedule, one kernel for every size of the layer"
+        tuned = (
+            kernels.class_records(shape, target)
+            if op == "forward" and env.tuned_enabled() and records.tuned_shapes(target)
+            else {}
+        )
+        if not tuned:
+            return "default schedule, one kernel for every size of the layer"
+        bounds = (*schedules.pixel_classes(shape, target), None)
+        classes = ", ".join(
+            f"{record.space} for maps of {low}" + (f"-{high - 1}" if high else "+") + " pixels"
+            for low, high in itertools.pairwise(bounds)
+            if (record := tuned.get(low))
+        )
+        return f"one kernel for every size of the layer; tuned here: {classes}; else default"
     if not env.tuned_enabled():
         return "default schedule (TVM_DEFORM_TUNED=0)"
     key = targets.hardware_key(target)
