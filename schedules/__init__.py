@@ -214,7 +214,14 @@ def replayed_any_size_schedule(
 ) -> s_tir.Schedule | None:
     """``trace`` (a tuned schedule of one size of ``shape``'s layer, postprocessing included)
     replayed on the forward for any size of the layer in the size class from ``min_pixels``
-    (see :func:`forward_schedule`), or None where it does not replay there.
+    (see :func:`forward_schedule`), or None where it does not replay there (see
+    :func:`replay`)."""
+    return replay(_any_size_definition(shape.any_size(), target, "NCHW", min_pixels), trace)
+
+
+def replay(func: tirx.PrimFunc, trace: s_tir.Trace) -> s_tir.Schedule | None:
+    """``trace``, a tuned schedule of a PrimFunc of one size, replayed on ``func``, the same
+    computation for any size (sizes symbolic), or None where it does not replay there.
 
     The rules split every loop with one factor left to TVM (``[None, f]``), so a replayed
     split covers any extent (TVM predicates a ragged tile) and the kernel computes the same
@@ -222,14 +229,13 @@ def replayed_any_size_schedule(
     ``decompose_reduction`` of a block whose bindings a symbolic size makes non-affine (the
     sum of a split reduction's parts, its outputs' fused index divided by ``h * w``). Such a
     step is left out where nothing later uses what it made: TVM's lowering then initialises
-    those sums itself, as it does in the default kernel for any size."""
-    func = _any_size_definition(shape.any_size(), target, "NCHW", min_pixels)
+    those sums itself, as it does in the default kernels for any size."""
     instructions = list(trace.insts)
     decisions = dict(trace.decisions.items())
     while True:
-        sch = s_tir.Schedule(func)
         failed = _first_failing(func, instructions, decisions)
         if failed is None:
+            sch = s_tir.Schedule(func)
             Trace(instructions, decisions).apply_to_schedule(sch, remove_postproc=False)
             return sch
         step = instructions[failed]

@@ -129,36 +129,41 @@ def test_default_schedule_is_measured_and_wins_when_faster(tuned, tmp_path, monk
     check_against_reference(TINY)
 
 
-def choose_the_tuned_record(out: Path, tmp_path: Path, monkeypatch) -> records.TunedRecord:
+def choose_the_tuned_record(
+    out: Path, tmp_path: Path, monkeypatch, op: str = "forward"
+) -> records.TunedRecord:
     """Logs in ``tmp_path`` copied from ``out`` whose decision through the op chose the tuned
-    record of ``TINY`` (20% faster than the default), in use, with kernels for any size. The
-    best record of the tuned space is made the rules' own schedule (the space as generated),
-    so that the test does not depend on which of the smoke tune's few trials came out best."""
+    record of ``TINY``'s ``op`` (20% faster than the default), in use, with kernels for any
+    size. The best record of the tuned space is made the rules' own schedule (the space as
+    generated), so that the test does not depend on which of the smoke tune's few trials came
+    out best."""
     target = targets.host_target()
     key = targets.hardware_key(target)
     shutil.copytree(out, tmp_path / "logs")
     handwritten = tmp_path / "logs" / key / "handwritten"
     records.unpack_database(handwritten)  # edited in place below
     db = ms.database.JSONDatabase(work_dir=str(handwritten), allow_missing=False)
-    mod = records.workload_module(TINY)
-    space = schedules.design_spaces("forward", mod["main"], target)[0]
+    mod = records.workload_module(TINY, op)
+    space = schedules.design_spaces(op, mod["main"], target)[0]
     arguments = ms.arg_info.ArgInfo.from_prim_func(mod["main"])
     db.commit_tuning_record(
         ms.database.TuningRecord(space.trace, db.commit_workload(mod), [1e-9], target, arguments)
     )
-    own = records.find_records(TINY, target, key, roots=[tmp_path / "logs"])
+    own = records.find_records(TINY, target, key, roots=[tmp_path / "logs"], op=op)
     options = dispatch.own_options(own)
-    decision = {"workload": "tiny", "choice": "handwritten",
+    workload = "tiny" if op == "forward" else f"tiny:{op}"
+    decision = {"workload": workload, "choice": "handwritten",
                 "median_ms": {"default": 1.0, "handwritten": 0.8}}  # fmt: skip
     (tmp_path / "logs" / key / records.LOGS_DECISIONS).write_text(
-        json.dumps({dispatch._logs_key(TINY, "forward", options): decision})
+        json.dumps({dispatch._logs_key(TINY, op, options): decision})
     )
     monkeypatch.setenv("TVM_DEFORM_LOGS", str(tmp_path / "logs"))
     monkeypatch.delenv("TVM_DEFORM_SIZES", raising=False)  # kernels for any size
     records.forget_databases()
-    chosen = kernels.resolve(TINY, target)
+    chosen = kernels.resolve(TINY, target, op=op)
     assert chosen is not None and chosen.space == "handwritten"
     assert str(chosen.record.trace) == str(space.trace)
+    assert TINY in records.tuned_shapes(target, op)
     return chosen
 
 
@@ -171,7 +176,6 @@ def test_a_tuned_size_gives_its_record_to_the_kernels_for_any_size_near_it(
     *_, out = tuned
     chosen = choose_the_tuned_record(out, tmp_path, monkeypatch)
     target = targets.host_target()
-    assert TINY in records.tuned_shapes(target)
     layer = TINY.any_size()
     classes = schedules.pixel_classes(TINY, target)
     assert classes == (1,)  # one class: every size of the layer runs the record
@@ -196,6 +200,31 @@ def test_a_tuned_size_gives_its_record_to_the_kernels_for_any_size_near_it(
     # A trace that names blocks the forward does not have does not replay: None, not an error.
     backward = schedules.apply_default("backward", definition.backward(TINY), target)
     assert schedules.replayed_any_size_schedule(TINY, target, 1, backward.trace) is None
+
+
+def test_a_tuned_backward_size_gives_its_record_to_the_backward_for_any_size(
+    tuned_backward, tmp_path, monkeypatch
+):
+    """The backward's kernel of every gradient for any size of a layer replays the record the
+    logs chose for a size of it: a training step of other sizes runs it and gives
+    torchvision's gradients; a backward leaving gradients out runs its default schedule."""
+    *_, out = tuned_backward
+    chosen = choose_the_tuned_record(out, tmp_path, monkeypatch, "backward")
+    target = targets.host_target()
+    assert kernels.backward_record(TINY, target).identity == chosen.identity
+    every, some = definition.ALL_GRADIENTS, definition.Gradients(False, True, True)
+    layer = TINY.any_size()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # replayed and built: no fallback to the default
+        replayed = kernels._any_size_backward(layer, target, every, True)
+    assert replayed is not kernels._any_size_backward(layer, target, every)
+    for size in ((2, 9, 13), (1, 3, 4)):
+        near = dataclasses.replace(TINY, batch=size[0], height=size[1], width=size[2])
+        assert kernels.get_backward(near, target) is replayed
+        assert kernels.get_backward(near, target, gradients=some) is kernels._any_size_backward(
+            layer, target, some
+        )
+        check_gradients_against_torchvision(near)
 
 
 @pytest.mark.parametrize("failure", ["replay", "build"])

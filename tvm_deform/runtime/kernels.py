@@ -191,7 +191,7 @@ def compile_candidates(
         return
     every = gradients == definition.ALL_GRADIENTS
     if op == "backward" and any_size(shape, target, env.tuned_enabled() and every, op=op):
-        _any_size_backward(shape, target, gradients)
+        _any_size_backward(shape, target, gradients, env.tuned_enabled())
         return
     if op == "backward" and not every:
         load_backward(shape, target, None, gradients)
@@ -266,11 +266,22 @@ def compile_backward(
     sizes = "static" if quantum is None else "symbolic"
     quantum = quantum or definition.PIXEL_QUANTUM
     channels_last = _channels_last_columns(shape, target, gradients)
+    # A GPU thread reads its pixel's offset and mask at a clamped index; a CPU's tiles read
+    # them through stages padded to the quantum.
+    staged = target.kind.name == "llvm"
     if record is not None:
-        if gradients != definition.ALL_GRADIENTS or sizes != "static":
-            raise ValueError("tuned records are of the static backward of every gradient")
-        sch = records.tuned_schedule(shape, record, "backward")
+        if gradients != definition.ALL_GRADIENTS:
+            raise ValueError("tuned records are of the backward of every gradient")
+        if sizes == "static":
+            sch = records.tuned_schedule(shape, record, "backward")
+        else:
+            func = definition.backward(shape, gradients, sizes, quantum, staged_inputs=staged)
+            sch = schedules.replay(func, record.record.trace)
+            if sch is None:
+                raise ValueError(f"{_record_name(record)} does not replay for any size")
         if _columns_channels_last(sch.mod["main"]) != channels_last:
+            if sizes != "static":  # the caller falls back to the default, with a warning
+                raise ValueError(f"{_record_name(record)} lays out the column gradient otherwise")
             warnings.warn(
                 f"{_record_name(record)} of {shape} lays out the column gradient as an older "
                 "version of tvm_deform did; the default schedule runs instead",
@@ -281,9 +292,6 @@ def compile_backward(
     elif sizes == "static":
         sch = default_schedule(shape, target, "backward", gradients)
     else:
-        # A GPU thread reads its pixel's offset and mask at a clamped index; a CPU's tiles
-        # read them through stages padded to the quantum.
-        staged = target.kind.name == "llvm"
         func = definition.backward(shape, gradients, sizes, quantum, staged_inputs=staged)
         sch = schedules.apply_default("backward", func, target)
     functions = {
@@ -574,7 +582,7 @@ def get_backward(
             launcher.prepare()  # built meanwhile, if this call compiles
         every = gradients == definition.ALL_GRADIENTS
         if any_size(shape, target, tuned and every, op="backward"):
-            return _any_size_backward(shape, target, gradients)
+            return _any_size_backward(shape, target, gradients, tuned)
         op = "backward" if every else f"backward_{gradients.name}"
         key = _index_key(op, shape, target, tuned and every)
         module = _from_index(key)
@@ -589,26 +597,61 @@ def get_backward(
 
 
 def _any_size_backward(
-    shape: ConvShape, target: Target, gradients: definition.Gradients
+    shape: ConvShape, target: Target, gradients: definition.Gradients, tuned: bool = False
 ) -> BackwardKernels:
-    """The backward kernels of ``shape``'s layer for every size, memoised by the layer."""
+    """The backward kernels of ``shape``'s layer for every size, memoised by the layer. With
+    ``tuned``, the kernel of every gradient runs the record this machine's own logs chose for
+    a size of the layer (:func:`backward_record`), replayed for any size (the default where
+    it does not replay or build, with a warning)."""
     quantum = schedules.backward_pixel_quantum(shape, target)
     layer = shape.any_size()
     op = "backward_any_size" + (
         "" if gradients == definition.ALL_GRADIENTS else f"_{gradients.name}"
     )
+    every = gradients == definition.ALL_GRADIENTS
+    record = backward_record(shape, target) if tuned and every else None
+
+    def compile_module() -> tvm.runtime.Module:
+        if record is not None:
+            try:
+                return compile_backward(layer, target, record, gradients, quantum)
+            except Exception as error:  # noqa: BLE001 - any failure: the default's kernels
+                warnings.warn(
+                    f"the tuned record ({record.space}) of a size of the layer, replayed on the "
+                    f"{_describe(layer, target, op, 'default')}, failed ({error}): "
+                    "default schedule",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        return compile_backward(layer, target, None, gradients, quantum)
+
+    schedule = _schedule_name(record)
 
     def load() -> BackwardKernels:
-        module = _load_module(
-            cache_path(layer, target, "default", op),
-            lambda: compile_backward(layer, target, None, gradients, quantum),
-            _describe(layer, target, op, "default"),
-        )
+        what = _describe(layer, target, op, "default" if record is None else record.space)
+        module = _load_module(cache_path(layer, target, schedule, op), compile_module, what)
         return _backward_kernels(module, layer, target, gradients)._replace(
             quantum=quantum, any_size=True
         )
 
-    return _memoised(("backward", layer, gradients, _target_text(target), "any"), load)
+    return _memoised(("backward", layer, gradients, _target_text(target), "any", schedule), load)
+
+
+def backward_record(shape: ConvShape, target: Target) -> records.TunedRecord | None:
+    """The tuned record that the backward kernel of every gradient for any size of ``shape``'s
+    layer runs: the record this machine's own logs choose (:func:`resolve`) for a size of the
+    layer that they tuned to at least ``records.MIN_TUNED_GAIN`` faster than the default
+    (:func:`records.tuned_shapes`), of the one with the most pixels where they tuned several;
+    None where they tuned none. (The backward's kernels for any size have no size classes.)"""
+    layer = shape.any_size()
+    sizes = sorted(
+        (s for s in records.tuned_shapes(target, "backward") if s.any_size() == layer),
+        key=lambda s: (s.out_h * s.out_w, s.batch, s.height, s.width),
+        reverse=True,
+    )
+    return next(
+        (r for r in (resolve(s, target, True, "backward") for s in sizes) if r is not None), None
+    )
 
 
 def load_backward(
