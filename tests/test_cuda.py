@@ -1396,16 +1396,17 @@ def test_a_cuda_rounds_candidates_replay_on_the_kernels_for_any_size(tmp_path):
     one's; one pass and split) and searched ones replay and build with nvcc for sm_90. (The
     fused structures' seeds replay but stage more than 48 KiB of shared memory for symbolic
     sizes, and one searched candidate keeps a local buffer of a symbolic size: such a build
-    fails, and dispatch runs the default schedule in that class instead.)"""
+    fails, and dispatch runs the default schedule in that class instead.) The backward's do
+    not replay: the default schedule."""
     from tvm_deform.tools import rounds
 
     layer = ConvShape(1, 64, 20, 20, 64, 3, 3, pad_h=1, pad_w=1, has_bias=True)
-    argv = ["tune-round", "--shape", json.dumps(dataclasses.asdict(layer)), "--op", "forward"]
+    argv = ["tune-round", "--shape", json.dumps(dataclasses.asdict(layer)), "--op", "all"]
     argv += ["--arch", "sm_90", "--multiprocessors", "132", "--count", "12"]
     argv += ["--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "round")]
     assert main(argv) == 0  # the seeds (each design space's own schedule), then at random
     described = json.loads((tmp_path / "round" / rounds.ROUND_FILE).read_text())
-    (workload,) = described["workloads"].values()
+    workload, backward = described["workloads"].values()
     target = targets.cuda_target("sm_90", 132)
     mod = records.workload_module(layer)
     size_class = kernels._size_class(layer, schedules.pixel_classes(layer, target))
@@ -1427,3 +1428,15 @@ def test_a_cuda_rounds_candidates_replay_on_the_kernels_for_any_size(tmp_path):
     assert sum(name in sample_once for name, _ in built) == 7  # the default, 2 spaces each
     assert all(machine for name, machine in built if name in sample_once)
     assert sum(machine is not None for name, machine in built if name == "searched") >= 1
+
+    # The backward's records do not replay for any size on a GPU: its PrimFunc for any size
+    # has stages the one of one size has not (the output gradient's pixels, the pixels'
+    # base), so a layer's backward kernels for any size run the default schedule.
+    mod = records.workload_module(layer, "backward")
+    quantum = schedules.backward_pixel_quantum(layer, target)
+    for entry in backward["candidates"][:3]:
+        trace = rounds.measure_candidate(entry, mod).sch.trace
+        tuning = ms.database.TuningRecord(trace, ms.database.Workload(mod), [1e-3], target)
+        record = records.TunedRecord(tmp_path, "cuda/sm_90", "handwritten", 1.0, tuning)
+        with pytest.raises(kernels.ReplayError):
+            kernels.compile_backward(layer.any_size(), target, record, quantum=quantum)

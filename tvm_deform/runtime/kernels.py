@@ -278,7 +278,7 @@ def compile_backward(
             func = definition.backward(shape, gradients, sizes, quantum, staged_inputs=staged)
             sch = schedules.replay(func, record.record.trace)
             if sch is None:
-                raise ValueError(f"{_record_name(record)} does not replay for any size")
+                raise ReplayError(f"{_record_name(record)} does not replay for any size")
         if _columns_channels_last(sch.mod["main"]) != channels_last:
             if sizes != "static":  # the caller falls back to the default, with a warning
                 raise ValueError(f"{_record_name(record)} lays out the column gradient otherwise")
@@ -484,46 +484,49 @@ def _any_size_class(
     record: records.TunedRecord | None = None,
 ) -> Kernel:
     """The kernel for any size of ``layer`` in the size class from ``min_pixels``: the default
-    schedule, or ``record``'s replayed (the default where it does not replay or build)."""
+    schedule, or ``record``'s replayed; the default where the record does not replay or build
+    (kept in the disk cache under the record's name, so that a later process does not try
+    again)."""
     op = _any_size_op(layout, min_pixels)
-    replayed = None
-    if record is not None:
-        replayed = schedules.replayed_any_size_schedule(
-            layer, target, min_pixels, record.record.trace
-        )
-        if replayed is None:
-            warnings.warn(
-                f"the tuned record ({record.space}) of a size of the layer does not replay on "
-                f"its {_describe(layer, target, op, 'default')}: default schedule",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            record = None
+    what = _describe(layer, target, op, "default")
 
     def compile_module() -> tvm.runtime.Module:
-        if replayed is not None:
-            try:
-                return compile_schedule(replayed, target)
-            except Exception as error:  # noqa: BLE001 - any build failure: the default's kernel
-                warnings.warn(
-                    f"the tuned record ({record.space}) replayed on the "
-                    f"{_describe(layer, target, op, 'default')} failed to build ({error}): "
-                    "default schedule",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+        if record is not None:
+            trace = record.record.trace
+            replayed = schedules.replayed_any_size_schedule(layer, target, min_pixels, trace)
+            if replayed is None:
+                log.info("%s does not replay on the %s: default schedule", record.space, what)
+            else:
+                try:
+                    return compile_schedule(replayed, target)
+                except Exception as error:  # noqa: BLE001 - any failure: the default's kernel
+                    _replay_failed(record, what, error)
         default = schedules.forward_schedule(layer, target, layout, min_pixels)
         return compile_schedule(default, target)
 
     schedule = _schedule_name(record)
 
     def load() -> Kernel:
-        what = _describe(layer, target, op, "default" if record is None else record.space)
-        return _load_module(cache_path(layer, target, schedule, op), compile_module, what)[
+        how = _describe(layer, target, op, "default" if record is None else record.space)
+        return _load_module(cache_path(layer, target, schedule, op), compile_module, how)[
             "deform_conv2d"
         ]
 
     return _memoised(("forward", layer, layout, min_pixels, _target_text(target), schedule), load)
+
+
+class ReplayError(ValueError):
+    """A tuned record's trace does not replay on a PrimFunc for any size (its stages differ,
+    or a step's condition does not hold there)."""
+
+
+def _replay_failed(record: records.TunedRecord, what: str, error: Exception) -> None:
+    warnings.warn(
+        f"the tuned record ({record.space}) of a size of the layer, replayed on the {what}, "
+        f"failed to build ({error}): default schedule",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -610,26 +613,25 @@ def _any_size_backward(
     )
     every = gradients == definition.ALL_GRADIENTS
     record = backward_record(shape, target) if tuned and every else None
+    what = _describe(layer, target, op, "default")
 
     def compile_module() -> tvm.runtime.Module:
         if record is not None:
             try:
                 return compile_backward(layer, target, record, gradients, quantum)
+            except ReplayError:
+                # e.g. on a GPU, where the PrimFunc for any size has stages the one of one
+                # size has not (the output gradient's pixels, the pixels' base)
+                log.info("%s does not replay on the %s: default schedule", record.space, what)
             except Exception as error:  # noqa: BLE001 - any failure: the default's kernels
-                warnings.warn(
-                    f"the tuned record ({record.space}) of a size of the layer, replayed on the "
-                    f"{_describe(layer, target, op, 'default')}, failed ({error}): "
-                    "default schedule",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+                _replay_failed(record, what, error)
         return compile_backward(layer, target, None, gradients, quantum)
 
     schedule = _schedule_name(record)
 
     def load() -> BackwardKernels:
-        what = _describe(layer, target, op, "default" if record is None else record.space)
-        module = _load_module(cache_path(layer, target, schedule, op), compile_module, what)
+        how = _describe(layer, target, op, "default" if record is None else record.space)
+        module = _load_module(cache_path(layer, target, schedule, op), compile_module, how)
         return _backward_kernels(module, layer, target, gradients)._replace(
             quantum=quantum, any_size=True
         )
