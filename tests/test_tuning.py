@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import shutil
+import time
 import warnings
 from pathlib import Path
 
@@ -181,7 +182,9 @@ def test_a_tuned_size_gives_its_record_to_the_kernels_for_any_size_near_it(
     classes = schedules.pixel_classes(TINY, target)
     assert classes == (1,)  # one class: every size of the layer runs the record
     found = kernels.class_records(TINY, target)
-    assert {c: r.identity for c, r in found.items()} == {1: chosen.identity}
+    assert {c: (s, r.identity) for c, (s, r) in found.items()} == {1: (TINY, chosen.identity)}
+    timed = []  # the replay runs where it wins timed against the default (tested below)
+    monkeypatch.setattr(dispatch, "replay_wins", lambda *args: timed.append(args) or True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # replayed and built: no fallback to the default
         replayed = kernels._any_size_class(layer, target, "NCHW", 1, chosen)
@@ -192,9 +195,10 @@ def test_a_tuned_size_gives_its_record_to_the_kernels_for_any_size_near_it(
         assert kernels.any_size(near, target, True)
         assert kernels.get_kernel(near, target) is replayed
         check_against_reference(near)
+    assert [(a[0], a[2], a[3].identity) for a in timed] == [(TINY, "forward", chosen.identity)]
     assert dispatch.describe(near, target) == (
-        "one kernel for every size of the layer; tuned here: handwritten for maps of 1+ pixels;"
-        " else default"
+        "one kernel for every size of the layer; maps of 1+ pixels: handwritten replayed or "
+        "default, timed against the default at first use"
     )
     # TVM_DEFORM_TUNED=0: the default schedule
     assert kernels.get_kernel(dataclasses.replace(TINY, height=9), target, tuned=False) is default
@@ -212,7 +216,9 @@ def test_a_tuned_backward_size_gives_its_record_to_the_backward_for_any_size(
     *_, out = tuned_backward
     chosen = choose_the_tuned_record(out, tmp_path, monkeypatch, "backward")
     target = targets.host_target()
-    assert kernels.backward_record(TINY, target).identity == chosen.identity
+    size, record = kernels.backward_record(TINY, target)
+    assert (size, record.identity) == (TINY, chosen.identity)
+    monkeypatch.setattr(dispatch, "replay_wins", lambda *args: args[2] == "backward")
     every, some = definition.ALL_GRADIENTS, definition.Gradients(False, True, True)
     layer = TINY.any_size()
     with warnings.catch_warnings():
@@ -226,6 +232,37 @@ def test_a_tuned_backward_size_gives_its_record_to_the_backward_for_any_size(
             layer, target, some
         )
         check_gradients_against_torchvision(near)
+
+
+@pytest.mark.parametrize("slower", ["replayed", "default"])
+def test_a_replayed_record_runs_only_where_it_is_faster_here(tuned, tmp_path, monkeypatch, slower):
+    """The replayed record's kernels for any size and the default's are timed at the tuned
+    size through the op's calling path; the faster runs, and the decision is kept on disk for
+    later processes. ``TVM_DEFORM_MEASURE=0``: the default, untimed."""
+    *_, out = tuned
+    chosen = choose_the_tuned_record(out, tmp_path, monkeypatch)
+    monkeypatch.setenv("TVM_DEFORM_CACHE_DIR", str(tmp_path / "cache"))  # no decisions yet
+    target = targets.host_target()
+    kernel = kernels._any_size_class(TINY.any_size(), target, "NCHW", 1)
+
+    def slowed(*args):
+        time.sleep(0.005)  # the kernel itself takes microseconds
+        return kernel(*args)
+
+    replayed, default = (slowed, kernel) if slower == "replayed" else (kernel, slowed)
+    monkeypatch.setenv("TVM_DEFORM_MEASURE", "0")
+    assert not dispatch.replay_wins(TINY, target, "forward", chosen, replayed, default)
+    monkeypatch.delenv("TVM_DEFORM_MEASURE")
+    wins = dispatch.replay_wins(TINY, target, "forward", chosen, replayed, default)
+    assert wins == (slower == "default")
+    stored = dispatch.stored_replay_decision(TINY, target, "forward", chosen)
+    assert stored["choice"] == ("replayed" if wins else "default")
+    assert stored["median_ms"][slower] > 5
+    # The decision on disk answers later, untimed (a process that has kept its kernels).
+    monkeypatch.setattr(dispatch, "_median_ms", lambda *args: pytest.fail("timed again"))
+    assert dispatch.replay_wins(TINY, target, "forward", chosen, replayed, default) == wins
+    near = dataclasses.replace(TINY, height=9)  # TINY itself runs its kernel for one size
+    assert f"{stored['choice']}: timed here at its size" in dispatch.describe(near, target)
 
 
 @pytest.mark.parametrize("failure", ["replay", "build"])

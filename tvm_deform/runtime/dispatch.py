@@ -149,6 +149,12 @@ def measure(
     """Median milliseconds of each option's kernel(s) for ``shape``'s ``op`` on random inputs,
     called as the op calls them, in interleaved rounds for about ``budget`` seconds."""
     runs = {name: _runner(shape, target, op, record) for name, record in options.items()}
+    return _median_ms(runs, budget)
+
+
+def _median_ms(runs: dict[str, Callable[[], object]], budget: float) -> dict[str, float]:
+    """Median milliseconds of each of ``runs`` (which return when their work is done), in
+    interleaved rounds for about ``budget`` seconds, at least ``MIN_RUNS`` each."""
     for run in runs.values():
         run()  # warm up (and fault in the library's pages)
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -161,6 +167,81 @@ def measure(
         if min(len(t) for t in times.values()) >= 100:
             break
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def replay_wins(
+    shape: ConvShape,
+    target: Target,
+    op: str,
+    record: records.TunedRecord,
+    replayed: object,
+    default: object,
+) -> bool:
+    """Whether ``replayed`` (kernels for any size of ``shape``'s layer running ``record``'s
+    trace, tuned at ``shape``) runs ``shape``'s ``op`` faster here than ``default`` (the
+    default schedule's kernels of the same size class): from the decision on disk, else timed
+    now through the op's calling path (``BUDGET_SECONDS``) and written there. A trace tuned
+    on one PrimFunc is not the same schedule on the PrimFunc for any size, whose stages differ:
+    on a Zen 4 a CPU record 3.5% ahead at its size ran 1.2x the default's time replayed, so
+    it runs only where it wins here. ``TVM_DEFORM_MEASURE=0``: the default, untimed."""
+    options = {"default": None, "replayed": record}
+    digest = _digest(shape, target, f"{op}_any_size", options)
+    stored = stored_replay_decision(shape, target, op, record)
+    if stored:
+        return stored["choice"] == "replayed"
+    if not env.measure_enabled():
+        return False
+    with _lock:
+        runs = {
+            "replayed": _kernel_runner(shape, target, op, replayed),
+            "default": _kernel_runner(shape, target, op, default),
+        }
+        times = _median_ms(runs, BUDGET_SECONDS)
+        choice = min(times, key=times.__getitem__)
+        if env.cache_enabled():
+            entry = {
+                "choice": choice,
+                "median_ms": {name: round(ms, 4) for name, ms in times.items()},
+                "op": f"{op} for any size, {record.space} replayed",
+                "shape": targets.workload_key(shape, target),
+                "date": datetime.date.today().isoformat(),
+            }
+            _write_decision(target, digest, entry)
+    return choice == "replayed"
+
+
+def stored_replay_decision(
+    shape: ConvShape, target: Target, op: str, record: records.TunedRecord
+) -> dict | None:
+    """The decision on disk of :func:`replay_wins` for ``record`` tuned at ``shape``."""
+    options = {"default": None, "replayed": record}
+    if not env.cache_enabled():
+        return None
+    stored = read_decisions(target).get(_digest(shape, target, f"{op}_any_size", options))
+    return stored if stored and stored.get("choice") in options else None
+
+
+def _kernel_runner(
+    shape: ConvShape, target: Target, op: str, kernel: object
+) -> Callable[[], object]:
+    """A call of ``shape``'s ``op`` through ``kernel`` (a forward kernel, or backward
+    kernels) on random inputs on ``target``'s device, returning when it is done."""
+    from tvm_deform.runtime import calls  # imports kernels, which imports this module
+
+    cuda = target.kind.name == "cuda"
+    device = "cuda" if cuda else "cpu"
+    args = {k: v.to(device) if v is not None else None for k, v in random_inputs(shape).items()}
+    x, offset, weight, bias, mask = (args[k] for k in ("input", "offset", "weight", "bias", "mask"))
+    done = torch.cuda.synchronize if cuda else (lambda: None)
+    if op == "forward":
+        return lambda: (calls.run_forward(shape, x, offset, weight, bias, mask, kernel), done())
+    grad_output = torch.randn(
+        shape.batch, shape.out_channels, shape.out_h, shape.out_w, dtype=x.dtype, device=device
+    )
+    return lambda: (
+        calls.run_backward(shape, grad_output, x, offset, weight, mask, kernel),
+        done(),
+    )
 
 
 def _runner(
@@ -256,12 +337,20 @@ def describe(shape: ConvShape, target: Target, op: str = "forward") -> str:
         if not tuned:
             return "default schedule, one kernel for every size of the layer"
         bounds = (*schedules.pixel_classes(shape, target), None)
-        classes = ", ".join(
-            f"{record.space} for maps of {low}" + (f"-{high - 1}" if high else "+") + " pixels"
-            for low, high in itertools.pairwise(bounds)
-            if (record := tuned.get(low))
-        )
-        return f"one kernel for every size of the layer; tuned here: {classes}; else default"
+        classes = []
+        for low, high in itertools.pairwise(bounds):
+            if low not in tuned:
+                continue
+            size, record = tuned[low]
+            stored = stored_replay_decision(size, target, op, record)
+            if stored:
+                times = ", ".join(f"{n} {ms:.3f} ms" for n, ms in stored["median_ms"].items())
+                how = f"{stored['choice']}: timed here at its size ({times})"
+            else:
+                how = "timed against the default at first use"
+            pixels = f"{low}-{high - 1}" if high else f"{low}+"
+            classes.append(f"maps of {pixels} pixels: {record.space} replayed or default, {how}")
+        return "one kernel for every size of the layer; " + "; ".join(classes)
     if not env.tuned_enabled():
         return "default schedule (TVM_DEFORM_TUNED=0)"
     key = targets.hardware_key(target)

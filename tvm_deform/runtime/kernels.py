@@ -409,23 +409,29 @@ def _any_size_kernel(shape: ConvShape, target: Target, layout: str, tuned: bool 
     (see :func:`tvm_deform.schedules.pixel_classes`), memoised by the layer: a call of a new
     size finds it in memory. A layer's first call loads the kernels of all its size classes,
     so that no later size compiles. With ``tuned``, a class that holds a size this machine's
-    own logs tuned runs that record's schedule (see :func:`class_records`)."""
+    own logs tuned runs that record's schedule where it is faster (see
+    :func:`class_records`)."""
     classes = schedules.pixel_classes(shape, target)
     layer = shape.any_size()
 
     def load() -> dict[int, Kernel]:
-        tuned_classes = class_records(shape, target, classes) if tuned and layout == "NCHW" else {}
-
-        def one(min_pixels: int) -> Kernel:
-            return _any_size_class(layer, target, layout, min_pixels, tuned_classes.get(min_pixels))
-
         # The classes compile at once, each on a thread of its own (TVM's compiler and LLVM
         # release the GIL), as many at a time as this process has cores.
         workers = min(len(classes), hardware.detect().cores)
         if workers == 1:
-            return {c: one(c) for c in classes}
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            return dict(zip(classes, pool.map(one, classes), strict=True))
+            found = {c: _any_size_class(layer, target, layout, c) for c in classes}
+        else:
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                built = pool.map(lambda c: _any_size_class(layer, target, layout, c), classes)
+                found = dict(zip(classes, built, strict=True))
+        if tuned and layout == "NCHW":
+            from tvm_deform.runtime import dispatch  # times kernels, imports this module
+
+            for c, (size, record) in class_records(shape, target, classes).items():
+                replayed = _any_size_class(layer, target, layout, c, record)
+                if dispatch.replay_wins(size, target, "forward", record, replayed, found[c]):
+                    found[c] = replayed
+        return found
 
     found = _memoised(("forward_classes", layer, layout, _target_text(target), tuned), load)
     return found[_size_class(shape, classes)]
@@ -433,18 +439,18 @@ def _any_size_kernel(shape: ConvShape, target: Target, layout: str, tuned: bool 
 
 def class_records(
     shape: ConvShape, target: Target, classes: tuple[int, ...] | None = None
-) -> dict[int, records.TunedRecord]:
-    """The tuned records that the forward kernels for any size of ``shape``'s layer run, by
-    size class (of ``classes``, default the layer's): in a class that holds a size of the layer
-    whose exact shape this machine's own logs hold a record of that ran at least
-    ``records.MIN_TUNED_GAIN`` faster than the default (:func:`records.tuned_shapes`), the
-    record they choose for it (:func:`resolve`; of the size with the most pixels where a class
-    holds several). Its trace is replayed on the PrimFunc for any size
-    (:func:`tvm_deform.schedules.replayed_any_size_schedule`): the tiles tuned at one size
-    serve the sizes of its class, whose kernels are built for maps of that order; the other
-    classes run the default schedule. Tuning a layer at one size thus speeds up every size near
-    it, not the tuned size alone (which still runs its kernel for one size, see
-    :func:`any_size`)."""
+) -> dict[int, tuple[ConvShape, records.TunedRecord]]:
+    """The tuned records that the forward kernels for any size of ``shape``'s layer may run, by
+    size class (of ``classes``, default the layer's), each with the size it was tuned at: in a
+    class that holds a size of the layer whose exact shape this machine's own logs hold a
+    record of that ran at least ``records.MIN_TUNED_GAIN`` faster than the default
+    (:func:`records.tuned_shapes`), the record they choose for it (:func:`resolve`; of the size
+    with the most pixels where a class holds several). Its trace is replayed on the PrimFunc
+    for any size (:func:`tvm_deform.schedules.replayed_any_size_schedule`), and the class runs
+    it where it is faster than the default's kernel at the tuned size, timed here at the
+    layer's first use (:func:`tvm_deform.runtime.dispatch.replay_wins`, kept on disk): tuning
+    a layer at one size can then speed up the sizes near it too, not the tuned size alone
+    (which runs its kernel for one size, see :func:`any_size`)."""
     layer = shape.any_size()
     classes = classes or schedules.pixel_classes(shape, target)
     sizes = sorted(
@@ -455,7 +461,7 @@ def class_records(
     for size in sizes:
         record = resolve(size, target, True)
         if record is not None:
-            found[_size_class(size, classes)] = record
+            found[_size_class(size, classes)] = (size, record)
     return found
 
 
@@ -612,10 +618,10 @@ def _any_size_backward(
         "" if gradients == definition.ALL_GRADIENTS else f"_{gradients.name}"
     )
     every = gradients == definition.ALL_GRADIENTS
-    record = backward_record(shape, target) if tuned and every else None
+    tuned_size, record = backward_record(shape, target) if tuned and every else (None, None)
     what = _describe(layer, target, op, "default")
 
-    def compile_module() -> tvm.runtime.Module:
+    def compile_module(record: records.TunedRecord | None) -> tvm.runtime.Module:
         if record is not None:
             try:
                 return compile_backward(layer, target, record, gradients, quantum)
@@ -627,33 +633,50 @@ def _any_size_backward(
                 _replay_failed(record, what, error)
         return compile_backward(layer, target, None, gradients, quantum)
 
-    schedule = _schedule_name(record)
-
-    def load() -> BackwardKernels:
+    def load(record: records.TunedRecord | None) -> BackwardKernels:
         how = _describe(layer, target, op, "default" if record is None else record.space)
-        module = _load_module(cache_path(layer, target, schedule, op), compile_module, how)
+        path = cache_path(layer, target, _schedule_name(record), op)
+        module = _load_module(path, functools.partial(compile_module, record), how)
         return _backward_kernels(module, layer, target, gradients)._replace(
             quantum=quantum, any_size=True
         )
 
-    return _memoised(("backward", layer, gradients, _target_text(target), "any", schedule), load)
+    def chosen() -> BackwardKernels:
+        default = _memoised(
+            ("backward", layer, gradients, _target_text(target), "any"), lambda: load(None)
+        )
+        if record is None:
+            return default
+        from tvm_deform.runtime import dispatch  # times kernels, imports this module
+
+        replayed = load(record)
+        wins = dispatch.replay_wins(tuned_size, target, "backward", record, replayed, default)
+        return replayed if wins else default
+
+    return _memoised(("backward", layer, gradients, _target_text(target), "any", tuned), chosen)
 
 
-def backward_record(shape: ConvShape, target: Target) -> records.TunedRecord | None:
+def backward_record(
+    shape: ConvShape, target: Target
+) -> tuple[ConvShape, records.TunedRecord] | tuple[None, None]:
     """The tuned record that the backward kernel of every gradient for any size of ``shape``'s
-    layer runs: the record this machine's own logs choose (:func:`resolve`) for a size of the
-    layer that they tuned to at least ``records.MIN_TUNED_GAIN`` faster than the default
-    (:func:`records.tuned_shapes`), of the one with the most pixels where they tuned several;
-    None where they tuned none. (The backward's kernels for any size have no size classes.)"""
+    layer may run, with the size it was tuned at: the record this machine's own logs choose
+    (:func:`resolve`) for a size of the layer that they tuned to at least
+    ``records.MIN_TUNED_GAIN`` faster than the default (:func:`records.tuned_shapes`), of the
+    one with the most pixels where they tuned several; ``(None, None)`` where they tuned none.
+    (The backward's kernels for any size have no size classes.) It runs where it is faster
+    than the default at that size, as the forward's do (:func:`class_records`)."""
     layer = shape.any_size()
     sizes = sorted(
         (s for s in records.tuned_shapes(target, "backward") if s.any_size() == layer),
         key=lambda s: (s.out_h * s.out_w, s.batch, s.height, s.width),
         reverse=True,
     )
-    return next(
-        (r for r in (resolve(s, target, True, "backward") for s in sizes) if r is not None), None
-    )
+    for size in sizes:
+        record = resolve(size, target, True, "backward")
+        if record is not None:
+            return size, record
+    return None, None
 
 
 def load_backward(
