@@ -181,9 +181,10 @@ def replay_wins(
     trace, tuned at ``shape``) runs ``shape``'s ``op`` faster here than ``default`` (the
     default schedule's kernels of the same size class): from the decision on disk, else timed
     now through the op's calling path (``BUDGET_SECONDS``) and written there. A trace tuned
-    on one PrimFunc is not the same schedule on the PrimFunc for any size, whose stages differ:
-    on a Zen 4 a CPU record 3.5% ahead at its size ran 1.2x the default's time replayed, so
-    it runs only where it wins here. ``TVM_DEFORM_MEASURE=0``: the default, untimed."""
+    on one PrimFunc is not the same schedule on the PrimFunc for any size, whose stages and
+    index arithmetic differ: on a Zen 4 the shipped CPU records ran 0.97-1.15x the default's
+    time replayed, so one runs only where it wins here. ``TVM_DEFORM_MEASURE=0``: the
+    default, untimed."""
     options = {"default": None, "replayed": record}
     digest = _digest(shape, target, f"{op}_any_size", options)
     stored = stored_replay_decision(shape, target, op, record)
