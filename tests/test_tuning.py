@@ -183,6 +183,10 @@ def test_a_tuned_size_gives_its_record_to_the_kernels_for_any_size_near_it(
     assert classes == (1,)  # one class: every size of the layer runs the record
     found = kernels.class_records(TINY, target)
     assert {c: (s, r.identity) for c, (s, r) in found.items()} == {1: (TINY, chosen.identity)}
+    # Ahead of time (precompile's workers), both kernels compile, untimed.
+    monkeypatch.setattr(dispatch, "replay_wins", lambda *args: pytest.fail("timed ahead"))
+    kernels.compile_candidates(dataclasses.replace(TINY, height=9), target, "forward")
+    assert kernels.cache_path(layer, target, chosen.identity, "forward_any_size_1").is_file()
     timed = []  # the replay runs where it wins timed against the default (tested below)
     monkeypatch.setattr(dispatch, "replay_wins", lambda *args: timed.append(args) or True)
     with warnings.catch_warnings():
@@ -218,9 +222,13 @@ def test_a_tuned_backward_size_gives_its_record_to_the_backward_for_any_size(
     target = targets.host_target()
     size, record = kernels.backward_record(TINY, target)
     assert (size, record.identity) == (TINY, chosen.identity)
-    monkeypatch.setattr(dispatch, "replay_wins", lambda *args: args[2] == "backward")
     every, some = definition.ALL_GRADIENTS, definition.Gradients(False, True, True)
     layer = TINY.any_size()
+    # Ahead of time (precompile's workers), both kernels compile, untimed.
+    monkeypatch.setattr(dispatch, "replay_wins", lambda *args: pytest.fail("timed ahead"))
+    kernels.compile_candidates(dataclasses.replace(TINY, height=9), target, "backward")
+    assert kernels.cache_path(layer, target, chosen.identity, "backward_any_size").is_file()
+    monkeypatch.setattr(dispatch, "replay_wins", lambda *args: args[2] == "backward")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # replayed and built: no fallback to the default
         replayed = kernels._any_size_backward(layer, target, every, True)

@@ -183,15 +183,21 @@ def compile_candidates(
     with its input in ``layout``, or "backward" computing ``gradients``) may run (see
     :func:`candidates`); for ahead-of-time compiling in parallel processes, which leaves the
     timing among them to the first use."""
-    if op == "forward" and any_size(shape, target, env.tuned_enabled(), layout):
-        _any_size_kernel(shape, target, layout, env.tuned_enabled())
+    # Kernels for any size: the default's, and those replaying a tuned record, untimed (the
+    # first use times them against each other, see class_records).
+    tuned = env.tuned_enabled()
+    if op == "forward" and any_size(shape, target, tuned, layout):
+        _any_size_kernel(shape, target, layout)
+        if tuned and layout == "NCHW":
+            for c, (_, record) in class_records(shape, target).items():
+                _any_size_class(shape.any_size(), target, layout, c, record)
         return
     if op == "forward" and layout != "NCHW":
         load_kernel(shape, target, None, layout)
         return
     every = gradients == definition.ALL_GRADIENTS
-    if op == "backward" and any_size(shape, target, env.tuned_enabled() and every, op=op):
-        _any_size_backward(shape, target, gradients, env.tuned_enabled())
+    if op == "backward" and any_size(shape, target, tuned and every, op=op):
+        _any_size_backward(shape, target, gradients, tuned, decide=False)
         return
     if op == "backward" and not every:
         load_backward(shape, target, None, gradients)
@@ -606,12 +612,17 @@ def get_backward(
 
 
 def _any_size_backward(
-    shape: ConvShape, target: Target, gradients: definition.Gradients, tuned: bool = False
+    shape: ConvShape,
+    target: Target,
+    gradients: definition.Gradients,
+    tuned: bool = False,
+    decide: bool = True,
 ) -> BackwardKernels:
     """The backward kernels of ``shape``'s layer for every size, memoised by the layer. With
     ``tuned``, the kernel of every gradient runs the record this machine's own logs chose for
-    a size of the layer (:func:`backward_record`), replayed for any size (the default where
-    it does not replay or build, with a warning)."""
+    a size of the layer (:func:`backward_record`), replayed for any size, where it is faster
+    than the default's (timed at the first use; the default where it does not replay or
+    build). ``decide=False`` compiles both and answers the default's, untimed."""
     quantum = schedules.backward_pixel_quantum(shape, target)
     layer = shape.any_size()
     op = "backward_any_size" + (
@@ -650,9 +661,13 @@ def _any_size_backward(
         from tvm_deform.runtime import dispatch  # times kernels, imports this module
 
         replayed = load(record)
+        if not decide:
+            return default
         wins = dispatch.replay_wins(tuned_size, target, "backward", record, replayed, default)
         return replayed if wins else default
 
+    if not decide:
+        return chosen()
     return _memoised(("backward", layer, gradients, _target_text(target), "any", tuned), chosen)
 
 
