@@ -223,13 +223,14 @@ def replay(func: tirx.PrimFunc, trace: s_tir.Trace) -> s_tir.Schedule | None:
     """``trace``, a tuned schedule of a PrimFunc of one size, replayed on ``func``, the same
     computation for any size (sizes symbolic), or None where it does not replay there.
 
-    The rules split every loop with one factor left to TVM (``[None, f]``), so a replayed
-    split covers any extent (TVM predicates a ragged tile) and the kernel computes the same
-    function, with the tile sizes tuned at that one size. One step may not replay: a
-    ``decompose_reduction`` of a block whose bindings a symbolic size makes non-affine (the
-    sum of a split reduction's parts, its outputs' fused index divided by ``h * w``). Such a
-    step is left out where nothing later uses what it made: TVM's lowering then initialises
-    those sums itself, as it does in the default kernels for any size."""
+    The rules split every loop over a symbolic extent with one factor left to TVM
+    (``[None, f]``), so a replayed split covers any extent (TVM predicates a ragged tile) and
+    the kernel computes the same function, with the tile sizes tuned at that one size. One
+    step may not replay: a ``decompose_reduction`` of a block whose bindings a symbolic size
+    makes non-affine (the sum of a split reduction's parts, its outputs' fused index divided
+    by ``h * w``). Such a step is left out where nothing later uses what it made: TVM's
+    lowering then initialises those sums itself, as it does in the default kernels for any
+    size."""
     instructions = list(trace.insts)
     decisions = dict(trace.decisions.items())
     while True:

@@ -44,10 +44,12 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, name
 def fresh_lookups():
     """Tuning records and compiled kernels looked up afresh before and after the test (the log
     directories change between tests)."""
-    from tvm_deform.runtime import kernels, records
+    from tvm_deform.runtime import dispatch, kernels, records
 
     records.forget_databases()
     kernels.clear_memory_cache()
+    dispatch._failed.clear()
     yield
     records.forget_databases()
     kernels.clear_memory_cache()
+    dispatch._failed.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import shutil
@@ -202,7 +203,7 @@ def test_a_tuned_size_gives_its_record_to_the_kernels_for_any_size_near_it(
     assert [(a[0], a[2], a[3].identity) for a in timed] == [(TINY, "forward", chosen.identity)]
     assert dispatch.describe(near, target) == (
         "one kernel for every size of the layer; maps of 1+ pixels: handwritten replayed or "
-        "default, timed against the default at first use"
+        "the default, timed against each other at first use"
     )
     # TVM_DEFORM_TUNED=0: the default schedule
     assert kernels.get_kernel(dataclasses.replace(TINY, height=9), target, tuned=False) is default
@@ -242,11 +243,12 @@ def test_a_tuned_backward_size_gives_its_record_to_the_backward_for_any_size(
         check_gradients_against_torchvision(near)
 
 
-@pytest.mark.parametrize("slower", ["replayed", "default"])
+@pytest.mark.parametrize("slower", ["replayed", "default", "failing"])
 def test_a_replayed_record_runs_only_where_it_is_faster_here(tuned, tmp_path, monkeypatch, slower):
     """The replayed record's kernels for any size and the default's are timed at the tuned
     size through the op's calling path; the faster runs, and the decision is kept on disk for
-    later processes. ``TVM_DEFORM_MEASURE=0``: the default, untimed."""
+    later processes. A replayed kernel that fails when it runs loses, with a warning.
+    ``TVM_DEFORM_MEASURE=0``: the default, untimed."""
     *_, out = tuned
     chosen = choose_the_tuned_record(out, tmp_path, monkeypatch)
     monkeypatch.setenv("TVM_DEFORM_CACHE_DIR", str(tmp_path / "cache"))  # no decisions yet
@@ -257,20 +259,38 @@ def test_a_replayed_record_runs_only_where_it_is_faster_here(tuned, tmp_path, mo
         time.sleep(0.005)  # the kernel itself takes microseconds
         return kernel(*args)
 
-    replayed, default = (slowed, kernel) if slower == "replayed" else (kernel, slowed)
+    def failing(*args):
+        raise RuntimeError("CUDA: too many resources requested for launch")
+
+    replayed, default = {
+        "replayed": (slowed, kernel), "default": (kernel, slowed), "failing": (failing, kernel)
+    }[slower]  # fmt: skip
     monkeypatch.setenv("TVM_DEFORM_MEASURE", "0")
     assert not dispatch.replay_wins(TINY, target, "forward", chosen, replayed, default)
     monkeypatch.delenv("TVM_DEFORM_MEASURE")
-    wins = dispatch.replay_wins(TINY, target, "forward", chosen, replayed, default)
+    if slower == "failing":
+        with pytest.warns(RuntimeWarning, match="failed when run"):
+            wins = dispatch.replay_wins(TINY, target, "forward", chosen, replayed, default)
+    else:
+        wins = dispatch.replay_wins(TINY, target, "forward", chosen, replayed, default)
     assert wins == (slower == "default")
     stored = dispatch.stored_replay_decision(TINY, target, "forward", chosen)
     assert stored["choice"] == ("replayed" if wins else "default")
-    assert stored["median_ms"][slower] > 5
+    if slower == "failing":
+        assert stored["reason"].startswith("failed when run")
+    else:
+        assert stored["median_ms"][slower] > 5
     # The decision on disk answers later, untimed (a process that has kept its kernels).
     monkeypatch.setattr(dispatch, "_median_ms", lambda *args: pytest.fail("timed again"))
+    dispatch._failed.clear()
     assert dispatch.replay_wins(TINY, target, "forward", chosen, replayed, default) == wins
     near = dataclasses.replace(TINY, height=9)  # TINY itself runs its kernel for one size
-    assert f"{stored['choice']}: timed here at its size" in dispatch.describe(near, target)
+    said = dispatch.describe(near, target)
+    if slower == "failing":
+        assert "default schedule (handwritten replayed failed when run" in said
+    else:
+        what = "handwritten replayed" if wins else "default schedule"
+        assert f"{what}: timed here at its tuned size" in said
 
 
 @pytest.mark.parametrize("failure", ["replay", "build"])
@@ -298,14 +318,19 @@ def test_a_tuned_record_that_fails_for_any_size_leaves_the_default(
 
     monkeypatch.setattr(schedules, "replayed_any_size_schedule", replay_or_not)
     monkeypatch.setattr(kernels, "compile_schedule", failing)
+    noted = functools.partial(dispatch.replay_failed, TINY, target, "forward", chosen)
     if failure == "build":
-        with pytest.warns(RuntimeWarning, match="failed to build"):
-            kernel = kernels._any_size_class(TINY.any_size(), target, "NCHW", 1, chosen)
+        with pytest.warns(RuntimeWarning, match="failed"):
+            kernel = kernels._any_size_class(TINY.any_size(), target, "NCHW", 1, chosen, noted)
     else:  # a record of another structure: said in the log, as the compiles are
         with caplog.at_level(logging.INFO, logger=kernels.log.name):
-            kernel = kernels._any_size_class(TINY.any_size(), target, "NCHW", 1, chosen)
+            kernel = kernels._any_size_class(TINY.any_size(), target, "NCHW", 1, chosen, noted)
         assert "does not replay" in caplog.text
     assert replayed  # the record was tried
+    # It is not timed against the default: its kernel is the default's.
+    monkeypatch.setattr(dispatch, "_median_ms", lambda *args: pytest.fail("timed"))
+    assert not dispatch.replay_wins(TINY, target, "forward", chosen, kernel, kernel)
+    dispatch._failed.clear()
     near = dataclasses.replace(TINY, batch=2, height=9, width=13)
     inputs = random_inputs(near)
     args = [inputs[k] for k in ("input", "offset", "weight", "bias", "mask")]

@@ -28,6 +28,7 @@ import statistics
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -179,47 +180,86 @@ def replay_wins(
 ) -> bool:
     """Whether ``replayed`` (kernels for any size of ``shape``'s layer running ``record``'s
     trace, tuned at ``shape``) runs ``shape``'s ``op`` faster here than ``default`` (the
-    default schedule's kernels of the same size class): from the decision on disk, else timed
-    now through the op's calling path (``BUDGET_SECONDS``) and written there. A trace tuned
-    on one PrimFunc is not the same schedule on the PrimFunc for any size, whose stages and
-    index arithmetic differ: on a Zen 4 the shipped CPU records ran 0.97-1.15x the default's
-    time replayed, so one runs only where it wins here. ``TVM_DEFORM_MEASURE=0``: the
+    default schedule's kernels of the same size class): from the decision on disk (or kept by
+    :func:`replay_failed`), else timed now through the op's calling path (``BUDGET_SECONDS``)
+    and written there. A trace tuned on one PrimFunc is not the same schedule on the PrimFunc
+    for any size, whose stages and index arithmetic differ: on a Zen 4 the shipped CPU records
+    ran 0.77-1.15x the default's time replayed, so one runs only where it wins here. A replayed
+    kernel that fails when it runs loses (with a warning). ``TVM_DEFORM_MEASURE=0``: the
     default, untimed."""
-    options = {"default": None, "replayed": record}
-    digest = _digest(shape, target, f"{op}_any_size", options)
     stored = stored_replay_decision(shape, target, op, record)
     if stored:
         return stored["choice"] == "replayed"
-    if not env.measure_enabled():
+    if _replay_digest(shape, target, op, record) in _failed or not env.measure_enabled():
         return False
     with _lock:
-        runs = {
-            "replayed": _kernel_runner(shape, target, op, replayed),
-            "default": _kernel_runner(shape, target, op, default),
-        }
-        times = _median_ms(runs, BUDGET_SECONDS)
-        choice = min(times, key=times.__getitem__)
-        if env.cache_enabled():
-            entry = {
-                "choice": choice,
-                "median_ms": {name: round(ms, 4) for name, ms in times.items()},
-                "op": f"{op} for any size, {record.space} replayed",
-                "shape": targets.workload_key(shape, target),
-                "date": datetime.date.today().isoformat(),
+        try:
+            runs = {
+                "replayed": _kernel_runner(shape, target, op, replayed),
+                "default": _kernel_runner(shape, target, op, default),
             }
-            _write_decision(target, digest, entry)
+            times = _median_ms(runs, BUDGET_SECONDS)
+        except Exception as error:  # noqa: BLE001 - a kernel that fails here runs nowhere
+            warnings.warn(
+                f"the tuned record ({record.space}) replayed for any size failed when run "
+                f"({error}): default schedule",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            replay_failed(shape, target, op, record, f"failed when run: {error}")
+            return False
+        choice = min(times, key=times.__getitem__)
+        median_ms = {name: round(ms, 4) for name, ms in times.items()}
+        _keep_replay_decision(shape, target, op, record, choice, median_ms=median_ms)
     return choice == "replayed"
+
+
+def replay_failed(
+    shape: ConvShape, target: Target, op: str, record: records.TunedRecord, reason: str
+) -> None:
+    """Keep that ``record`` (tuned at ``shape``), replayed on ``shape``'s ``op`` for any size,
+    does not run here (``reason``: it does not replay, build or run): :func:`replay_wins` then
+    answers the default, untimed (its kernels for any size under the record's name are the
+    default's)."""
+    _failed.add(_replay_digest(shape, target, op, record))
+    _keep_replay_decision(shape, target, op, record, "default", reason=reason)
+
+
+#: the replays that did not run in this process (see :func:`replay_failed`)
+_failed: set[str] = set()
+
+
+def _replay_digest(shape: ConvShape, target: Target, op: str, record: records.TunedRecord) -> str:
+    return _digest(shape, target, f"{op}_any_size", {"default": None, "replayed": record})
+
+
+def _keep_replay_decision(
+    shape: ConvShape,
+    target: Target,
+    op: str,
+    record: records.TunedRecord,
+    choice: str,
+    **why: object,
+) -> None:
+    if env.cache_enabled():
+        entry = {
+            "choice": choice,
+            **why,
+            "op": f"{op} for any size, {record.space} replayed",
+            "shape": targets.workload_key(shape, target),
+            "date": datetime.date.today().isoformat(),
+        }
+        _write_decision(target, _replay_digest(shape, target, op, record), entry)
 
 
 def stored_replay_decision(
     shape: ConvShape, target: Target, op: str, record: records.TunedRecord
 ) -> dict | None:
     """The decision on disk of :func:`replay_wins` for ``record`` tuned at ``shape``."""
-    options = {"default": None, "replayed": record}
     if not env.cache_enabled():
         return None
-    stored = read_decisions(target).get(_digest(shape, target, f"{op}_any_size", options))
-    return stored if stored and stored.get("choice") in options else None
+    stored = read_decisions(target).get(_replay_digest(shape, target, op, record))
+    return stored if stored and stored.get("choice") in ("default", "replayed") else None
 
 
 def _kernel_runner(
@@ -326,32 +366,43 @@ def decide_for_logs(
     return entry
 
 
+def _replay_said(shape: ConvShape, target: Target, op: str, record: records.TunedRecord) -> str:
+    """What :func:`replay_wins` decided for ``record`` tuned at ``shape``, in words."""
+    stored = stored_replay_decision(shape, target, op, record)
+    if not stored:
+        return f"{record.space} replayed or the default, timed against each other at first use"
+    if "reason" in stored:
+        return f"default schedule ({record.space} replayed {stored['reason']})"
+    times = ", ".join(f"{n} {ms:.3f} ms" for n, ms in stored["median_ms"].items())
+    what = "default schedule" if stored["choice"] == "default" else f"{record.space} replayed"
+    return f"{what}: timed here at its tuned size ({times})"
+
+
 def describe(shape: ConvShape, target: Target, op: str = "forward") -> str:
     """What ``shape``'s ``op`` runs on ``target`` and why, in words, without timing anything
     (for ``tvm-deform info``)."""
     if kernels.any_size(shape, target, env.tuned_enabled(), op=op):
-        tuned = (
-            kernels.class_records(shape, target)
-            if op == "forward" and env.tuned_enabled() and records.tuned_shapes(target)
-            else {}
-        )
-        if not tuned:
+        tuned = env.tuned_enabled() and records.tuned_shapes(target, op)
+        if tuned and op == "forward":
+            bounds = (*schedules.pixel_classes(shape, target), None)
+            found = kernels.class_records(shape, target)
+            replays = [
+                (f"maps of {low}-{high - 1} pixels" if high else f"maps of {low}+ pixels",
+                 *found[low])
+                for low, high in itertools.pairwise(bounds)
+                if low in found
+            ]  # fmt: skip
+        elif tuned:
+            size, record = kernels.backward_record(shape, target)
+            replays = [("every size", size, record)] if record else []
+        else:
+            replays = []
+        if not replays:
             return "default schedule, one kernel for every size of the layer"
-        bounds = (*schedules.pixel_classes(shape, target), None)
-        classes = []
-        for low, high in itertools.pairwise(bounds):
-            if low not in tuned:
-                continue
-            size, record = tuned[low]
-            stored = stored_replay_decision(size, target, op, record)
-            if stored:
-                times = ", ".join(f"{n} {ms:.3f} ms" for n, ms in stored["median_ms"].items())
-                how = f"{stored['choice']}: timed here at its size ({times})"
-            else:
-                how = "timed against the default at first use"
-            pixels = f"{low}-{high - 1}" if high else f"{low}+"
-            classes.append(f"maps of {pixels} pixels: {record.space} replayed or default, {how}")
-        return "one kernel for every size of the layer; " + "; ".join(classes)
+        said = [
+            f"{where}: {_replay_said(size, target, op, record)}" for where, size, record in replays
+        ]
+        return "one kernel for every size of the layer; " + "; ".join(said)
     if not env.tuned_enabled():
         return "default schedule (TVM_DEFORM_TUNED=0)"
     key = targets.hardware_key(target)

@@ -189,8 +189,11 @@ def compile_candidates(
     if op == "forward" and any_size(shape, target, tuned, layout):
         _any_size_kernel(shape, target, layout)
         if tuned and layout == "NCHW":
-            for c, (_, record) in class_records(shape, target).items():
-                _any_size_class(shape.any_size(), target, layout, c, record)
+            from tvm_deform.runtime import dispatch  # times kernels, imports this module
+
+            for c, (size, record) in class_records(shape, target).items():
+                noted = functools.partial(dispatch.replay_failed, size, target, op, record)
+                _any_size_class(shape.any_size(), target, layout, c, record, noted)
         return
     if op == "forward" and layout != "NCHW":
         load_kernel(shape, target, None, layout)
@@ -434,7 +437,8 @@ def _any_size_kernel(shape: ConvShape, target: Target, layout: str, tuned: bool 
             from tvm_deform.runtime import dispatch  # times kernels, imports this module
 
             for c, (size, record) in class_records(shape, target, classes).items():
-                replayed = _any_size_class(layer, target, layout, c, record)
+                noted = functools.partial(dispatch.replay_failed, size, target, "forward", record)
+                replayed = _any_size_class(layer, target, layout, c, record, noted)
                 if dispatch.replay_wins(size, target, "forward", record, replayed, found[c]):
                     found[c] = replayed
         return found
@@ -450,13 +454,14 @@ def class_records(
     size class (of ``classes``, default the layer's), each with the size it was tuned at: in a
     class that holds a size of the layer whose exact shape this machine's own logs hold a
     record of that ran at least ``records.MIN_TUNED_GAIN`` faster than the default
-    (:func:`records.tuned_shapes`), the record they choose for it (:func:`resolve`; of the size
-    with the most pixels where a class holds several). Its trace is replayed on the PrimFunc
-    for any size (:func:`tvm_deform.schedules.replayed_any_size_schedule`), and the class runs
-    it where it is faster than the default's kernel at the tuned size, timed here at the
-    layer's first use (:func:`tvm_deform.runtime.dispatch.replay_wins`, kept on disk): tuning
-    a layer at one size can then speed up the sizes near it too, not the tuned size alone
-    (which runs its kernel for one size, see :func:`any_size`)."""
+    (:func:`records.tuned_shapes`), the record they choose for it (as :func:`resolve` does
+    from them; of the size with the most pixels where a class holds several). Its trace is
+    replayed on the PrimFunc for any size
+    (:func:`tvm_deform.schedules.replayed_any_size_schedule`), and the class runs it where it
+    is faster than the default's kernel at the tuned size, timed here at the layer's first use
+    (:func:`tvm_deform.runtime.dispatch.replay_wins`, kept on disk): tuning a layer at one size
+    can then speed up the sizes near it too, not the tuned size alone (which runs its kernel
+    for one size, see :func:`any_size`)."""
     layer = shape.any_size()
     classes = classes or schedules.pixel_classes(shape, target)
     sizes = sorted(
@@ -465,10 +470,22 @@ def class_records(
     )
     found = {}
     for size in sizes:
-        record = resolve(size, target, True)
+        record = _own_choice(size, target, "forward")
         if record is not None:
             found[_size_class(size, classes)] = (size, record)
     return found
+
+
+def _own_choice(shape: ConvShape, target: Target, op: str) -> records.TunedRecord | None:
+    """The record this machine's own logs choose for ``shape``'s ``op`` (as :func:`resolve`
+    does, never timing another machine's records), or None for the default."""
+    own = records.own_records(shape, target, hardware_key(target), op)
+    if not own:
+        return None
+    from tvm_deform.runtime import dispatch  # times kernels, imports this module
+
+    chosen = dispatch.choose_own(shape, op, own)
+    return chosen if _replays_this_layout(shape, target, op, chosen) else None
 
 
 def _size_class(shape: ConvShape, classes: tuple[int, ...]) -> int:
@@ -494,25 +511,27 @@ def _any_size_class(
     layout: str,
     min_pixels: int,
     record: records.TunedRecord | None = None,
+    fell_back: Callable[[str], None] = lambda reason: None,
 ) -> Kernel:
     """The kernel for any size of ``layer`` in the size class from ``min_pixels``: the default
     schedule, or ``record``'s replayed; the default where the record does not replay or build
     (kept in the disk cache under the record's name, so that a later process does not try
-    again)."""
+    again; ``fell_back`` is told why)."""
     op = _any_size_op(layout, min_pixels)
     what = _describe(layer, target, op, "default")
 
     def compile_module() -> tvm.runtime.Module:
         if record is not None:
             trace = record.record.trace
-            replayed = schedules.replayed_any_size_schedule(layer, target, min_pixels, trace)
-            if replayed is None:
-                log.info("%s does not replay on the %s: default schedule", record.space, what)
-            else:
-                try:
+            try:
+                replayed = schedules.replayed_any_size_schedule(layer, target, min_pixels, trace)
+                if replayed is not None:
                     return compile_schedule(replayed, target)
-                except Exception as error:  # noqa: BLE001 - any failure: the default's kernel
-                    _replay_failed(record, what, error)
+                log.info("%s does not replay on the %s: default schedule", record.space, what)
+                fell_back("does not replay")
+            except Exception as error:  # noqa: BLE001 - any failure: the default's kernel
+                _replay_failed(record, what, error)
+                fell_back(f"failed: {error}")
         default = schedules.forward_schedule(layer, target, layout, min_pixels)
         return compile_schedule(default, target)
 
@@ -535,7 +554,7 @@ class ReplayError(ValueError):
 def _replay_failed(record: records.TunedRecord, what: str, error: Exception) -> None:
     warnings.warn(
         f"the tuned record ({record.space}) of a size of the layer, replayed on the {what}, "
-        f"failed to build ({error}): default schedule",
+        f"failed ({error}): default schedule",
         RuntimeWarning,
         stacklevel=3,
     )
@@ -628,11 +647,11 @@ def _any_size_backward(
     op = "backward_any_size" + (
         "" if gradients == definition.ALL_GRADIENTS else f"_{gradients.name}"
     )
-    every = gradients == definition.ALL_GRADIENTS
-    tuned_size, record = backward_record(shape, target) if tuned and every else (None, None)
     what = _describe(layer, target, op, "default")
 
-    def compile_module(record: records.TunedRecord | None) -> tvm.runtime.Module:
+    def compile_module(
+        record: records.TunedRecord | None, fell_back: Callable[[str], None]
+    ) -> tvm.runtime.Module:
         if record is not None:
             try:
                 return compile_backward(layer, target, record, gradients, quantum)
@@ -640,14 +659,18 @@ def _any_size_backward(
                 # e.g. on a GPU, where the PrimFunc for any size has stages the one of one
                 # size has not (the output gradient's pixels, the pixels' base)
                 log.info("%s does not replay on the %s: default schedule", record.space, what)
+                fell_back("does not replay")
             except Exception as error:  # noqa: BLE001 - any failure: the default's kernels
                 _replay_failed(record, what, error)
+                fell_back(f"failed: {error}")
         return compile_backward(layer, target, None, gradients, quantum)
 
-    def load(record: records.TunedRecord | None) -> BackwardKernels:
+    def load(
+        record: records.TunedRecord | None, fell_back: Callable[[str], None] = lambda _: None
+    ) -> BackwardKernels:
         how = _describe(layer, target, op, "default" if record is None else record.space)
         path = cache_path(layer, target, _schedule_name(record), op)
-        module = _load_module(path, functools.partial(compile_module, record), how)
+        module = _load_module(path, lambda: compile_module(record, fell_back), how)
         return _backward_kernels(module, layer, target, gradients)._replace(
             quantum=quantum, any_size=True
         )
@@ -656,14 +679,17 @@ def _any_size_backward(
         default = _memoised(
             ("backward", layer, gradients, _target_text(target), "any"), lambda: load(None)
         )
+        every = gradients == definition.ALL_GRADIENTS
+        size, record = backward_record(shape, target) if tuned and every else (None, None)
         if record is None:
             return default
         from tvm_deform.runtime import dispatch  # times kernels, imports this module
 
-        replayed = load(record)
+        noted = functools.partial(dispatch.replay_failed, size, target, "backward", record)
+        replayed = load(record, noted)
         if not decide:
             return default
-        wins = dispatch.replay_wins(tuned_size, target, "backward", record, replayed, default)
+        wins = dispatch.replay_wins(size, target, "backward", record, replayed, default)
         return replayed if wins else default
 
     if not decide:
@@ -676,7 +702,7 @@ def backward_record(
 ) -> tuple[ConvShape, records.TunedRecord] | tuple[None, None]:
     """The tuned record that the backward kernel of every gradient for any size of ``shape``'s
     layer may run, with the size it was tuned at: the record this machine's own logs choose
-    (:func:`resolve`) for a size of the layer that they tuned to at least
+    (as :func:`resolve` does from them) for a size of the layer that they tuned to at least
     ``records.MIN_TUNED_GAIN`` faster than the default (:func:`records.tuned_shapes`), of the
     one with the most pixels where they tuned several; ``(None, None)`` where they tuned none.
     (The backward's kernels for any size have no size classes.) It runs where it is faster
@@ -688,7 +714,7 @@ def backward_record(
         reverse=True,
     )
     for size in sizes:
-        record = resolve(size, target, True, "backward")
+        record = _own_choice(size, target, "backward")
         if record is not None:
             return size, record
     return None, None
