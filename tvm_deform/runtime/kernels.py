@@ -462,18 +462,23 @@ def class_records(
     (:func:`tvm_deform.runtime.dispatch.replay_wins`, kept on disk): tuning a layer at one size
     can then speed up the sizes near it too, not the tuned size alone (which runs its kernel
     for one size, see :func:`any_size`)."""
-    layer = shape.any_size()
     classes = classes or schedules.pixel_classes(shape, target)
-    sizes = sorted(
-        (s for s in records.tuned_shapes(target) if s.any_size() == layer),
-        key=lambda s: (s.out_h * s.out_w, s.batch, s.height, s.width),
-    )
     found = {}
-    for size in sizes:
+    for size in _tuned_sizes(shape, target, "forward"):
         record = _own_choice(size, target, "forward")
         if record is not None:
             found[_size_class(size, classes)] = (size, record)
     return found
+
+
+def _tuned_sizes(shape: ConvShape, target: Target, op: str) -> list[ConvShape]:
+    """The sizes of ``shape``'s layer whose ``op`` this machine's own logs tuned to at least
+    ``records.MIN_TUNED_GAIN`` faster than the default, fewest pixels first."""
+    layer = shape.any_size()
+    return sorted(
+        (s for s in records.tuned_shapes(target, op) if s.any_size() == layer),
+        key=lambda s: (s.out_h * s.out_w, s.batch, s.height, s.width),
+    )
 
 
 def _own_choice(shape: ConvShape, target: Target, op: str) -> records.TunedRecord | None:
@@ -707,13 +712,7 @@ def backward_record(
     one with the most pixels where they tuned several; ``(None, None)`` where they tuned none.
     (The backward's kernels for any size have no size classes.) It runs where it is faster
     than the default at that size, as the forward's do (:func:`class_records`)."""
-    layer = shape.any_size()
-    sizes = sorted(
-        (s for s in records.tuned_shapes(target, "backward") if s.any_size() == layer),
-        key=lambda s: (s.out_h * s.out_w, s.batch, s.height, s.width),
-        reverse=True,
-    )
-    for size in sizes:
+    for size in reversed(_tuned_sizes(shape, target, "backward")):
         record = _own_choice(size, target, "backward")
         if record is not None:
             return size, record
