@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         classes = schedules.pixel_classes(shape, target)
         size_class = kernels._size_class(shape, classes)
         layer = shape.any_size()
-        sch = schedules.replayed_any_size_schedule(layer, target, size_class, best.record.trace)
+        tuned_func = best.record.workload.mod["main"]
+        trace = best.record.trace
+        sch = schedules.replayed_any_size_schedule(layer, target, size_class, tuned_func, trace)
         if sch is None:
             print(f"| {name} | {best.space} | | does not replay | | |")
             continue

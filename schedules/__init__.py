@@ -40,7 +40,7 @@ from tvm_deform.schedules.cuda import (
 from tvm_deform.schedules.cuda_backward import BackwardCUDA, GradInputCUDA
 from tvm_deform.schedules.cuda_tensor_core import MIN_ARCH as TENSOR_CORE_MIN_ARCH
 from tvm_deform.schedules.cuda_tensor_core import SampleOnceTensorCoreCUDA, TensorCoreCUDA
-from tvm_deform.schedules.rule import Rule
+from tvm_deform.schedules.rule import Rule, answers_given
 
 from tvm_deform.ir import definition
 from tvm_deform.ir.definition import ConvShape
@@ -210,13 +210,131 @@ def forward_schedule(
 
 
 def replayed_any_size_schedule(
-    shape: ConvShape, target: Target, min_pixels: int, trace: s_tir.Trace
+    shape: ConvShape, target: Target, min_pixels: int, tuned: tirx.PrimFunc, trace: s_tir.Trace
 ) -> s_tir.Schedule | None:
-    """``trace`` (a tuned schedule of one size of ``shape``'s layer, postprocessing included)
-    replayed on the forward for any size of the layer in the size class from ``min_pixels``
-    (see :func:`forward_schedule`), or None where it does not replay there (see
-    :func:`replay`)."""
-    return replay(_any_size_definition(shape.any_size(), target, "NCHW", min_pixels), trace)
+    """``trace``, a tuned schedule of ``tuned`` (the forward PrimFunc of one size of
+    ``shape``'s layer, postprocessing included), for the forward for any size of the layer in
+    the size class from ``min_pixels`` (see :func:`forward_schedule`; :func:`replayed`), or
+    None where it does not carry over."""
+    func = _any_size_definition(shape.any_size(), target, "NCHW", min_pixels)
+    return replayed("forward", func, target, tuned, trace)
+
+
+def replayed(
+    kernel: str, func: tirx.PrimFunc, target: Target, tuned: tirx.PrimFunc, trace: s_tir.Trace
+) -> s_tir.Schedule | None:
+    """``trace``, a tuned schedule of ``tuned`` (a PrimFunc of ``kernel`` of one size), for
+    ``func``, the PrimFunc of the same layer for any size: derived (:func:`derive`: the rule
+    that gave it, applied to ``func`` with its choices) where it is of one of the rules'
+    design spaces, else its steps replayed (:func:`replay`: a record of another design space,
+    e.g. tuned by another version); None where neither takes ``func``."""
+    derived = derive(kernel, func, target, tuned, trace)
+    return derived if derived is not None else replay(func, trace)
+
+
+def derive(
+    kernel: str, func: tirx.PrimFunc, target: Target, tuned: tirx.PrimFunc, trace: s_tir.Trace
+) -> s_tir.Schedule | None:
+    """``func`` (a PrimFunc of ``kernel`` for any size) under the rule that gave ``trace``,
+    with the tile sizes ``trace`` chose: ``trace`` is a tuned schedule of ``tuned``, a
+    PrimFunc of one size of the same layer, from one of the design spaces of that PrimFunc
+    (:func:`named_design_spaces`) with its sampled choices. The same rule's design space of
+    ``func`` then answers each of its questions as ``trace`` answered it (a rule asks them in
+    the same order at every size), or where that value is not valid for ``func`` (e.g. a
+    tile that does not divide the pixels' quantum), as its default does. Unlike
+    :func:`replay`, the result is the rule's own schedule of ``func``: its stages and index
+    arithmetic for any size, with the tuned numbers. None where ``trace`` is of no design
+    space of ``tuned`` (tuned by another version of the rules, or postprocessing aside, not
+    a design space's schedule) or the rule's space of ``func`` asks other questions."""
+    rules = {repr(rule): rule for rule in rules_for(kernel, target)}
+    with answers_given() as asked:
+        spaces = named_design_spaces(kernel, tuned, target)
+    matches = []
+    for index, (name, space) in enumerate(spaces):
+        values = _values_chosen(space, asked(space), trace)
+        if values is not None:
+            variant = [other for other, _ in spaces[:index]].count(name)
+            matches.append((len(space.trace.insts), name, variant, values))
+    if not matches:
+        return None
+    _, name, variant, values = max(matches)  # the longest space the trace begins with
+    with answers_given() as asked_here:
+        try:
+            found = rules[name].apply(func, target, tunable=True)
+        except Exception:  # noqa: BLE001 - any of TVM's errors: its space does not take func
+            return None
+    found = found if isinstance(found, list) else [found] if found is not None else []
+    if variant >= len(found):
+        return None
+    return _answered(func, found[variant], asked_here(found[variant]), values)
+
+
+def _values_chosen(
+    space: s_tir.Schedule, answers: list, trace: s_tir.Trace
+) -> list[int | None] | None:
+    """The value ``trace`` chose for each of ``answers`` (the answers ``space``'s rule gave,
+    in order; see :func:`answers_given`), or None where ``trace`` does not begin with
+    ``space``'s steps, its sampled choices aside: as the rule made them (a seed of a tuning
+    round), or without the steps whose results nothing uses (MetaSchedule's search keeps its
+    traces so). What follows them is postprocessing, marked as such or not."""
+    for steps in (space.trace.insts, space.trace.simplified(remove_postproc=True).insts):
+        values = _values_in(list(steps), answers, trace)
+        if values is not None:
+            return values
+    return None
+
+
+def _values_in(
+    steps: list[Instruction], answers: list, trace: s_tir.Trace
+) -> list[int | None] | None:
+    """:func:`_values_chosen` for one form of the space's ``steps``."""
+    theirs = list(trace.insts)[: len(steps)]
+    if len(theirs) < len(steps):
+        return None
+    if any(a.kind.name != b.kind.name for a, b in zip(steps, theirs, strict=True)):
+        return None
+    samples = [inst for inst in steps if inst.kind.name == "SampleCategorical"]
+    chosen = [inst for inst in theirs if inst.kind.name == "SampleCategorical"]
+    if any(inst not in trace.decisions for inst in chosen):
+        return None
+    decisions = {mine: trace.decisions[inst] for mine, inst in zip(samples, chosen, strict=True)}
+    kept = {inst: trace.decisions[inst] for inst in chosen}
+    if Trace(steps, decisions).as_python() != Trace(theirs, kept).as_python():
+        return None
+    values = []
+    for answer in answers:
+        sample = None if isinstance(answer, int) else _sample_of(samples, answer)
+        if sample is None:  # one valid value, or a choice that nothing used
+            values.append(answer if isinstance(answer, int) else None)
+        else:
+            values.append(int(sample.attrs[0][int(decisions[sample])]))
+    return values
+
+
+def _sample_of(samples: list[Instruction], answer) -> Instruction | None:
+    """The one of ``samples`` (``SampleCategorical`` steps) that gave ``answer``, if any."""
+    return next((inst for inst in samples if inst.outputs[0].same_as(answer)), None)
+
+
+def _answered(
+    func: tirx.PrimFunc, space: s_tir.Schedule, answers: list, values: list[int | None]
+) -> s_tir.Schedule | None:
+    """``func`` under ``space``'s steps with each of its ``answers`` set to the corresponding
+    of ``values`` where that value is among its candidates (its own decision otherwise); None
+    where the two lists differ in length."""
+    if len(answers) != len(values):
+        return None
+    steps = space.trace.insts
+    samples = [inst for inst in steps if inst.kind.name == "SampleCategorical"]
+    decisions = dict(space.trace.decisions.items())
+    for answer, value in zip(answers, values, strict=True):
+        sample = None if isinstance(answer, int) else _sample_of(samples, answer)
+        candidates = [] if sample is None else [int(c) for c in sample.attrs[0]]
+        if value in candidates:
+            decisions[sample] = candidates.index(value)
+    sch = s_tir.Schedule(func)
+    Trace(steps, decisions).apply_to_schedule(sch, remove_postproc=True)
+    return sch
 
 
 def replay(func: tirx.PrimFunc, trace: s_tir.Trace) -> s_tir.Schedule | None:

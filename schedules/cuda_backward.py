@@ -84,15 +84,15 @@ class BackwardCUDA(Rule):
     def apply(
         self, func: tirx.PrimFunc, target: Target, tunable: bool = False
     ) -> s_tir.Schedule | list[s_tir.Schedule] | None:
-        """The default schedule; as a design space (of a PrimFunc of one size), two: the
-        weight's reduction in one pass, and split into a sampled number of parts (where its
-        chunks can be split). Both sample the GEMMs' tiles and chunks among sizes that divide
-        their extents, starting at the default's."""
+        """The default schedule; as a design space, two: the weight's reduction in one pass,
+        and split into a sampled number of parts (where its chunks can be split). Both sample
+        the GEMMs' tiles and chunks among sizes that divide their extents (for any size, the
+        pixels' quantum), starting at the default's."""
         sch = s_tir.Schedule(func)
         names = _names(sch)
         if "sample_coef" not in names or "conv" in names:
             return None  # not the gradients kernel of the definition
-        if not tunable or not _static(sch):
+        if not tunable:
             return self._schedule(sch, target, Choices(sch, False))
         spaces = [self._schedule(sch, target, Choices(sch, True), parts=1)]
         split = s_tir.Schedule(func)
@@ -208,10 +208,12 @@ class BackwardCUDA(Rule):
             # For any size, a chunk of which the quantum holds a multiple of ``parts``: each
             # part takes every parts-th chunk, and the split has no tail (one, over the
             # symbolic pixel count, made TVM's buffer compaction compute a bound past int32
-            # and raise on some strided layers).
-            if pixels % parts:
-                raise ValueError(f"{parts} parts do not divide the pixel quantum {pixels}")
-            chunk = largest_divisor(pixels // parts, self.chunk)
+            # and raise on some strided layers). Where the parts are sampled, a chunk that
+            # every count the space samples keeps so.
+            most = parts if isinstance(parts, int) else max(self._part_candidates(sch))
+            if pixels % most:
+                raise ValueError(f"{most} parts do not divide the pixel quantum {pixels}")
+            chunk = largest_divisor(pixels // most, self.chunk)
         chunks, p = sch.split(p, [None, chunk])
         if one_pass:
             sch.reorder(k, o, c, n, chunks, p)
@@ -265,12 +267,15 @@ class BackwardCUDA(Rule):
         return choose(options, largest_divisor(extent, self.chunk))
 
     def _part_candidates(self, sch: s_tir.Schedule) -> list[int]:
-        """The parts a design space samples for the weight gradient of ``sch`` (of one size,
-        unscheduled): powers of two from 2 to ``max_parts`` that divide an image's chunks of
-        pixels (at the default's chunk)."""
+        """The parts a design space samples for the weight gradient of ``sch`` (unscheduled):
+        powers of two from 2 to ``max_parts`` that divide an image's chunks of pixels (at the
+        default's chunk), or for any size the pixels' quantum."""
         p = sch.get_loops(sch.get_sblock("weight_sum"))[-1]
-        extent = int(sch.get(p).extent)
-        chunks = extent // largest_divisor(extent, self.chunk)
+        extent = sch.get(p).extent
+        if isinstance(extent, tirx.IntImm):
+            chunks = int(extent) // largest_divisor(int(extent), self.chunk)
+        else:
+            chunks = _pixel_multiple(sch, p)  # for any size, parts that divide the quantum
         return [2**i for i in range(1, self.max_parts.bit_length()) if chunks % 2**i == 0]
 
     def parts(
@@ -295,13 +300,6 @@ class BackwardCUDA(Rule):
 def _names(sch: s_tir.Schedule) -> list[str]:
     """The names of the blocks at the root of ``sch``, in order."""
     return [sch.get(block).name_hint for block in sch.get_child_blocks(sch.get_sblock("root"))]
-
-
-def _static(sch: s_tir.Schedule) -> bool:
-    """Whether ``sch``'s PrimFunc is of one size (every loop's extent known)."""
-    blocks = sch.get_child_blocks(sch.get_sblock("root"))
-    loops = [loop for block in blocks for loop in sch.get_loops(block)]
-    return all(isinstance(sch.get(loop).extent, tirx.IntImm) for loop in loops)
 
 
 def _groups(sch: s_tir.Schedule) -> tuple[int, int]:

@@ -9,7 +9,9 @@ the candidates (the default's value among them) when it is applied as a design s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from contextvars import ContextVar
 from typing import ClassVar
 
 from tvm import s_tir, tirx
@@ -68,6 +70,13 @@ class Choices:
         value nearest to it, so that a design space as returned is the rule's own schedule:
         the default schedule wherever the default's values are valid, and the same schedule
         every time it is generated."""
+        answer = self._answer(candidates, default, valid)
+        asked = _ASKED.get()
+        if asked is not None:
+            asked.setdefault(id(self.sch), (self.sch, []))[1].append(answer)
+        return answer
+
+    def _answer(self, candidates: Iterable[int], default: int, valid: Callable[[int], bool]):
         if not self.tunable:
             return default
         options = sorted({value for value in (*candidates, default) if valid(value)})
@@ -77,3 +86,22 @@ class Choices:
         return self.sch.sample_categorical(
             options, [1.0 / len(options)] * len(options), decision=options.index(nearest)
         )
+
+
+#: the answers each schedule's :class:`Choices` gave while :func:`answers_given` records them
+_ASKED: ContextVar[dict[int, tuple[s_tir.Schedule, list]] | None] = ContextVar(
+    "asked", default=None
+)
+
+
+@contextlib.contextmanager
+def answers_given() -> Iterator[Callable[[s_tir.Schedule], list]]:
+    """Records the answers the :class:`Choices` of the schedules built in its body give, in the
+    order the rule asked them: yields a function from a schedule to its answers (an int for a
+    question with one valid value, the ``ExprRV`` of its ``sample_categorical`` otherwise)."""
+    asked: dict[int, tuple[s_tir.Schedule, list]] = {}
+    token = _ASKED.set(asked)
+    try:
+        yield lambda sch: list(asked.get(id(sch), (sch, []))[1])
+    finally:
+        _ASKED.reset(token)

@@ -1189,6 +1189,37 @@ def test_random_points_of_the_cuda_backward_spaces_match_torchvision():
                 assert_close(value, theirs[name], 2e-5, f"grad_{name}")
 
 
+def test_random_points_of_the_cuda_backward_spaces_for_any_size_match_torchvision():
+    """A tuned backward record carried over to the kernels for any size of its layer runs its
+    rule's design space of the PrimFunc for any size at the record's choices
+    (``schedules.derive``): random tiles, chunks and parts of both spaces there (the weight's
+    reduction in one pass, and split into a sampled count of parts with a chunk that each
+    count divides), emulated on the CPU at three sizes, give torchvision's gradients."""
+    from tvm_deform.schedules.cuda_backward import BackwardCUDA
+
+    from tvm_deform.binding.ops import run_backward
+
+    layer = ConvShape(0, 32, 0, 0, 32, 3, 3, pad_h=1, pad_w=1, offset_groups=2, has_bias=True)
+    quantum = schedules.backward_pixel_quantum(layer, targets.cuda_target("sm_90"))
+    func = definition.backward(layer, definition.ALL_GRADIENTS, "symbolic", quantum, False)
+    points = random_points(func, BackwardCUDA(emulate=True), targets.host_target(), 2)
+    assert len(points) == 4  # two spaces, two points each
+    for sch in points:
+        compiled = emulated_backward(layer, "symbolic", quantum, gradients=sch)[1]
+        for batch, height, width in ((1, 7, 9), (2, 12, 5), (3, 1, 3)):
+            shape = dataclasses.replace(layer, batch=batch, height=height, width=width)
+            inputs = random_inputs(shape)
+            grad_output = torch.randn(shape.batch, shape.out_channels, shape.out_h, shape.out_w)
+            theirs = torchvision_gradients(shape, inputs, grad_output, torch.float64)
+            arguments = [inputs[n] for n in ("input", "offset", "weight", "mask")]
+            ours = run_backward(shape, grad_output, *arguments, compiled)
+            order = ["input", "offset", "mask", "weight", "bias"]
+            where = f"at {batch}x{height}x{width}"
+            for name, value in zip(order, ours, strict=True):
+                if name in theirs:
+                    assert_close(value, theirs[name], 2e-5, f"grad_{name} {where}")
+
+
 @needs_nvcc
 def test_random_points_of_the_cuda_backward_spaces_build_for_the_gpu():
     """Random points of both backward spaces of a suite layer build with nvcc: no spills, no
@@ -1388,16 +1419,17 @@ def test_tensor_core_copies_divide_among_the_threads(chunk):
 
 @needs_nvcc
 @pytest.mark.slow
-def test_a_cuda_rounds_candidates_replay_on_the_kernels_for_any_size(tmp_path):
+def test_a_cuda_rounds_candidates_carry_over_to_the_kernels_for_any_size(tmp_path):
     """A CUDA record the logs choose serves the kernels for any size of its size class
     (``kernels.class_records``). The candidates of a round, as their traces are committed,
-    replayed on the layer's PrimFunc for any size (sizes symbolic) in the class of their size:
-    every seed of the sample-once structures (the default's, the wide tile's, the pipelined
-    one's; one pass and split) and searched ones replay and build with nvcc for sm_90. (The
-    fused structures' seeds replay but stage more than 48 KiB of shared memory for symbolic
-    sizes, and one searched candidate keeps a local buffer of a symbolic size: such a build
-    fails, and dispatch runs the default schedule in that class instead.) The backward's do
-    not replay: the default schedule."""
+    carried over to the layer's PrimFunc for any size (sizes symbolic) in the class of their
+    size: each is derived (its rule's design space for any size, with the candidate's
+    choices; the default schedule's steps are replayed), and every seed of the sample-once
+    structures (the default's, the wide tile's, the pipelined one's; one pass and split) and
+    searched ones build with nvcc for sm_90. (The fused structures' kernels for any size
+    stage more than 48 KiB of shared memory, and a searched candidate may keep a local buffer
+    of a symbolic size: such a build fails, and dispatch runs the default schedule in that
+    class instead.) The backward's candidates are derived too, and build."""
     from tvm_deform.tools import rounds
 
     layer = ConvShape(1, 64, 20, 20, 64, 3, 3, pad_h=1, pad_w=1, has_bias=True)
@@ -1410,12 +1442,16 @@ def test_a_cuda_rounds_candidates_replay_on_the_kernels_for_any_size(tmp_path):
     target = targets.cuda_target("sm_90", 132)
     mod = records.workload_module(layer)
     size_class = kernels._size_class(layer, schedules.pixel_classes(layer, target))
+    func = schedules._any_size_definition(layer, target, "NCHW", size_class)
     built = []
     for entry in workload["candidates"]:
         assert "error" not in entry, entry.get("error")
         trace = rounds.measure_candidate(entry, mod).sch.trace
-        sch = schedules.replayed_any_size_schedule(layer, target, size_class, trace)
-        assert sch is not None, entry.get("seed", entry["id"])
+        name = entry.get("seed", "searched")
+        sch = schedules.derive("forward", func, target, mod["main"], trace)
+        if name == "default":  # not of a design space (no choices): its steps replayed
+            sch = schedules.replay(func, trace)
+        assert sch is not None, name
         try:
             source = cuda_build.cuda_source(layer, "sm_90", schedule=sch)
             machine = cuda_build.nvcc_build(source, "sm_90")
@@ -1423,22 +1459,28 @@ def test_a_cuda_rounds_candidates_replay_on_the_kernels_for_any_size(tmp_path):
             machine = None
         else:  # the sizes are the kernels' arguments
             assert all(re.search(rf"\bint {size}\b", source) for size in "hnw")
-        built.append((entry.get("seed", "searched"), machine))
+        built.append((name, machine))
     sample_once = ("default", "SampleOnceCUDA", "WideTileCUDA", "PipelinedCUDA")
     assert sum(name in sample_once for name, _ in built) == 7  # the default, 2 spaces each
     assert all(machine for name, machine in built if name in sample_once)
-    # The search's candidates (not the same from run to run) replay too (asserted above);
-    # whether each builds depends on its tiles.
+    # The search's candidates (not the same from run to run) are derived too (asserted
+    # above); whether each builds depends on its tiles.
     assert sum(name == "searched" for name, _ in built) >= 1
 
-    # The backward's records do not replay for any size on a GPU: its PrimFunc for any size
-    # has stages the one of one size has not (the output gradient's pixels, the pixels'
-    # base), so a layer's backward kernels for any size run the default schedule.
+    # The backward's: derived for any size (its trace alone would not replay there: the
+    # PrimFunc for any size has stages the one of one size has not, the output gradient's
+    # pixels and the pixels' base), and built.
     mod = records.workload_module(layer, "backward")
     quantum = schedules.backward_pixel_quantum(layer, target)
-    for entry in backward["candidates"][:3]:
+    spaces = [entry for entry in backward["candidates"] if entry.get("seed") != "default"]
+    for entry in spaces[:3]:  # the two spaces' seeds and a searched one
         trace = rounds.measure_candidate(entry, mod).sch.trace
         tuning = ms.database.TuningRecord(trace, ms.database.Workload(mod), [1e-3], target)
         record = records.TunedRecord(tmp_path, "cuda/sm_90", "handwritten", 1.0, tuning)
-        with pytest.raises(kernels.ReplayError):
-            kernels.compile_backward(layer.any_size(), target, record, quantum=quantum)
+        symbolic = definition.backward(
+            layer.any_size(), sizes="symbolic", pixel_quantum=quantum, staged_inputs=False
+        )
+        assert schedules.replay(symbolic, trace) is None
+        module = kernels.compile_backward(layer.any_size(), target, record, quantum=quantum)
+        source = "\n".join(m.inspect_source("cuda") for m in module.mod.imports)
+        assert cuda_build.nvcc_build(source, "sm_90")

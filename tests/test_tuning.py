@@ -18,6 +18,7 @@ import tvm
 import tvm_ffi
 from conftest import assert_close
 from reference import deform_conv2d_reference
+from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
 
 from tvm_deform import deform_conv2d, schedules
@@ -137,9 +138,9 @@ def choose_the_tuned_record(
 ) -> records.TunedRecord:
     """Logs in ``tmp_path`` copied from ``out`` whose decision through the op chose the tuned
     record of ``TINY``'s ``op`` (20% faster than the default), in use, with kernels for any
-    size. The best record of the tuned space is made the rules' own schedule (the space as
-    generated), so that the test does not depend on which of the smoke tune's few trials came
-    out best."""
+    size. The best record of the tuned space is made the first design space with other
+    choices than the rules' own (:func:`other_choices`), so that the test does not depend on
+    which of the smoke tune's few trials came out best."""
     target = targets.host_target()
     key = targets.hardware_key(target)
     shutil.copytree(out, tmp_path / "logs")
@@ -147,10 +148,10 @@ def choose_the_tuned_record(
     records.unpack_database(handwritten)  # edited in place below
     db = ms.database.JSONDatabase(work_dir=str(handwritten), allow_missing=False)
     mod = records.workload_module(TINY, op)
-    space = schedules.design_spaces(op, mod["main"], target)[0]
+    trace = other_choices(mod, schedules.design_spaces(op, mod["main"], target)[0])
     arguments = ms.arg_info.ArgInfo.from_prim_func(mod["main"])
     db.commit_tuning_record(
-        ms.database.TuningRecord(space.trace, db.commit_workload(mod), [1e-9], target, arguments)
+        ms.database.TuningRecord(trace, db.commit_workload(mod), [1e-9], target, arguments)
     )
     own = records.find_records(TINY, target, key, roots=[tmp_path / "logs"], op=op)
     options = dispatch.own_options(own)
@@ -165,9 +166,31 @@ def choose_the_tuned_record(
     records.forget_databases()
     chosen = kernels.resolve(TINY, target, op=op)
     assert chosen is not None and chosen.space == "handwritten"
-    assert str(chosen.record.trace) == str(space.trace)
+    assert str(chosen.record.trace) == str(trace)
     assert TINY in records.tuned_shapes(target, op)
     return chosen
+
+
+def other_choices(mod: tvm.IRModule, space: s_tir.Schedule) -> s_tir.Trace:
+    """The trace of ``space`` (a design space of ``mod`` as generated) with each sampled
+    choice moved from the rules' own value to the next candidate (or the first)."""
+    decisions = {
+        inst: (int(decision) + 1) % len(inst.attrs[0])
+        for inst, decision in space.trace.decisions.items()
+    }
+    assert decisions, "a design space with no choices"
+    sch = s_tir.Schedule(mod)
+    s_tir.Trace(space.trace.insts, decisions).apply_to_schedule(sch, remove_postproc=False)
+    return sch.trace
+
+
+def chosen_values(sch: s_tir.Schedule) -> list[int]:
+    """The values ``sch``'s sampled choices took, in order."""
+    return [
+        int(inst.attrs[0][int(sch.trace.decisions[inst])])
+        for inst in sch.trace.insts
+        if inst.kind.name == "SampleCategorical"
+    ]
 
 
 def test_a_tuned_size_gives_its_record_to_the_kernels_for_any_size_near_it(
@@ -207,9 +230,18 @@ def test_a_tuned_size_gives_its_record_to_the_kernels_for_any_size_near_it(
     )
     # TVM_DEFORM_TUNED=0: the default schedule
     assert kernels.get_kernel(dataclasses.replace(TINY, height=9), target, tuned=False) is default
+    # The kernel is derived: the rule's schedule for any size, with the record's choices
+    # where they hold for any size (the CPU's pixel tile is the size class's quantum).
+    tuned_func = definition.forward(TINY)
+    derived = schedules.replayed_any_size_schedule(TINY, target, 1, tuned_func, chosen.record.trace)
+    func = schedules._any_size_definition(layer, target, "NCHW", 1)
+    assert schedules.derive("forward", func, target, tuned_func, chosen.record.trace) is not None
+    own = schedules.forward_schedule(layer, target, min_pixels=1)
+    assert chosen_values(derived)[-1] == chosen_values(records.tuned_schedule(TINY, chosen))[-1]
+    assert derived.mod.script() != own.mod.script()
     # A trace that names blocks the forward does not have does not replay: None, not an error.
     backward = schedules.apply_default("backward", definition.backward(TINY), target)
-    assert schedules.replayed_any_size_schedule(TINY, target, 1, backward.trace) is None
+    assert schedules.replayed_any_size_schedule(TINY, target, 1, tuned_func, backward.trace) is None
 
 
 def test_a_tuned_backward_size_gives_its_record_to_the_backward_for_any_size(
@@ -234,6 +266,14 @@ def test_a_tuned_backward_size_gives_its_record_to_the_backward_for_any_size(
         warnings.simplefilter("error")  # replayed and built: no fallback to the default
         replayed = kernels._any_size_backward(layer, target, every, True)
     assert replayed is not kernels._any_size_backward(layer, target, every)
+    # Derived: the rule's schedule for any size with the record's choices where they hold
+    # there (the column gradient's and sampling's pixel tiles are the quantum's).
+    quantum = schedules.backward_pixel_quantum(TINY, target)
+    func = definition.backward(layer, every, "symbolic", quantum)
+    tuned_func = definition.backward(TINY)
+    derived = schedules.derive("backward", func, target, tuned_func, chosen.record.trace)
+    values = chosen_values(records.tuned_schedule(TINY, chosen, "backward"))
+    assert chosen_values(derived) == [values[0], values[-1]]
     for size in ((2, 9, 13), (1, 3, 4)):
         near = dataclasses.replace(TINY, batch=size[0], height=size[1], width=size[2])
         assert kernels.get_backward(near, target) is replayed

@@ -285,7 +285,8 @@ def compile_backward(
             sch = records.tuned_schedule(shape, record, "backward")
         else:
             func = definition.backward(shape, gradients, sizes, quantum, staged_inputs=staged)
-            sch = schedules.replay(func, record.record.trace)
+            tuned = record.record.workload.mod["main"]
+            sch = schedules.replayed("backward", func, target, tuned, record.record.trace)
             if sch is None:
                 raise ReplayError(f"{_record_name(record)} does not replay for any size")
         if _columns_channels_last(sch.mod["main"]) != channels_last:
@@ -527,9 +528,11 @@ def _any_size_class(
 
     def compile_module() -> tvm.runtime.Module:
         if record is not None:
-            trace = record.record.trace
+            trace, tuned = record.record.trace, record.record.workload.mod["main"]
             try:
-                replayed = schedules.replayed_any_size_schedule(layer, target, min_pixels, trace)
+                replayed = schedules.replayed_any_size_schedule(
+                    layer, target, min_pixels, tuned, trace
+                )
                 if replayed is not None:
                     return compile_schedule(replayed, target)
                 log.info("%s does not replay on the %s: default schedule", record.space, what)

@@ -326,7 +326,8 @@ def _postprocessed(sch: s_tir.Schedule, postprocs: list) -> bool:
     """Whether every one of ``postprocs`` takes ``sch`` (applying them to it). One that raises
     rejects it, as MetaSchedule's search drops a schedule a postprocessor raises on (its
     ``RewriteReductionBlock`` raises on a reduction block whose indices it does not take for
-    affine)."""
+    affine). Their steps follow the trace's postprocessing mark, as in MetaSchedule's search."""
+    sch.enter_postproc()
     try:
         return all(postproc.apply(sch) for postproc in postprocs)
     except RuntimeError:  # tvm's ScheduleError
