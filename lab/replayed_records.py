@@ -1,10 +1,12 @@
-"""Tuned records replayed on the kernels for any size, against the default schedule's kernels
-for any size: for each suite layer that this machine's own logs hold a tuned forward record
-of (the best of the tuned space, whether or not the logs chose it), the record's trace
-replayed on the PrimFunc for any size of the size class of its tuned size, and the default's
-kernel of that class, called by turns at the tuned size and at sizes of the same class around
-it; the median of the ratios of neighbouring calls (replayed / default) over ``--calls`` pairs.
-A record that does not replay or build there is reported as such.
+"""Tuned records carried over to the kernels for any size, against the default schedule's
+kernels for any size: for each suite layer that this machine's own logs hold a tuned forward
+record of (the best of the tuned space, whether or not the logs chose it), the record on the
+PrimFunc for any size of the size class of its tuned size (derived: its rule's design space
+there with the record's choices; or, for a record of another design space, its steps
+replayed), and the default's kernel of that class, called by turns at the tuned size and at
+sizes of the same class around it; the median of the ratios of neighbouring calls (record /
+default) over ``--calls`` pairs. A record that does not carry over or build is reported as
+such. ``TVM_DEFORM_LOGS=DIR`` reads the records of a tuning run there.
 
     .venv/bin/python lab/replayed_records.py [--layers NAME ...] [--calls 41]
 """
@@ -58,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     key = targets.hardware_key(target)
     suite = load_suite()
     print(f"Hardware key {key}; {torch.get_num_threads()} threads; {args.calls} pairs a size.\n")
-    print("| layer | space | size | replayed ms | default ms | replayed / default |")
-    print("|---|---|---|---:|---:|---:|")
+    print("| layer | space | size | carried over | record ms | default ms | record / default |")
+    print("|---|---|---|---|---:|---:|---:|")
     for name in args.layers or list(suite):
         shape = suite[name]
         tuned = [r for r in records.own_records(shape, target, key) if r.space != "default"]
@@ -73,12 +75,15 @@ def main(argv: list[str] | None = None) -> int:
         trace = best.record.trace
         sch = schedules.replayed_any_size_schedule(layer, target, size_class, tuned_func, trace)
         if sch is None:
-            print(f"| {name} | {best.space} | | does not replay | | |")
+            print(f"| {name} | {best.space} | | does not carry over | | | |")
             continue
+        func = schedules._any_size_definition(layer, target, "NCHW", size_class)
+        derived = schedules.derive("forward", func, target, tuned_func, trace) is not None
+        how = "derived" if derived else "steps replayed"
         try:
             kernels.compile_schedule(sch, target)
         except Exception as error:  # noqa: BLE001 - reported, the next layer goes on
-            print(f"| {name} | {best.space} | | does not build: {str(error)[:60]} | | |")
+            print(f"| {name} | {best.space} | | {how}: does not build: {str(error)[:60]} | | | |")
             continue
         # Both loaded as dispatch loads them (from the kernel cache, on torch's threads): a
         # module straight from the compiler runs on TVM's own thread pool, which fights
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             ms_r, ms_d, r = ratio(size, replayed, default, args.calls)
             print(
-                f"| {name} | {best.space} | {size.height}x{size.width} | {ms_r:.3f} | "
+                f"| {name} | {best.space} | {size.height}x{size.width} | {how} | {ms_r:.3f} | "
                 f"{ms_d:.3f} | {r:.3f} |",
                 flush=True,
             )

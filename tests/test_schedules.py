@@ -281,6 +281,54 @@ def test_each_suite_layers_default_is_a_point_of_its_rules_space(kernel, target_
         assert all(space.trace is not None for space in spaces)
 
 
+#: suite layers whose design spaces the question test below compares at one size and any size
+QUESTION_LAYERS = ("seed", "r50dcn320_c4_256x20x20", "depthwise_128x56x56", "stride2_64to128x56x56")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target_name", ["host", "sm_90"])
+@pytest.mark.parametrize("kernel", ["forward", "backward"])
+def test_a_rule_asks_the_same_questions_at_one_size_and_for_any_size(kernel, target_name):
+    """A tuned record's choices carry over to the kernels for any size of its layer
+    (``schedules.derive``) because a rule asks its questions in the same order at every size:
+    each rule's design spaces of a PrimFunc for any size ask as many questions as those of the
+    PrimFunc of one size (the candidates may differ where they depend on the pixels: the
+    CPU's pixel tile is the size class's quantum). The CPU's output-channel structure takes no
+    PrimFunc for any size as a space (its records are replayed step by step)."""
+    from tvm_deform.schedules.rule import answers_given
+
+    target = targets.host_target() if target_name == "host" else targets.cuda_target("sm_90")
+    suite = load_suite()
+    compared = 0
+    for name in QUESTION_LAYERS:
+        shape = suite[name]
+        if kernel == "forward":
+            size_class = min(schedules.pixel_classes(shape, target))
+            one = definition.forward(shape)
+            any_size = schedules._any_size_definition(shape.any_size(), target, "NCHW", size_class)
+        else:
+            quantum = schedules.backward_pixel_quantum(shape, target)
+            one = definition.backward(shape)
+            any_size = definition.backward(
+                shape.any_size(), sizes="symbolic", pixel_quantum=quantum,
+                staged_inputs=target_name == "host",
+            )  # fmt: skip
+        for rule in schedules.rules_for(kernel, target):
+            if isinstance(rule, OutputChannelCPU):
+                continue
+            asked = []
+            for func in (one, any_size):
+                with answers_given() as answers:
+                    spaces = rule.apply(func, target, tunable=True)
+                spaces = spaces if isinstance(spaces, list) else [spaces] if spaces else []
+                asked.append([answers(space) for space in spaces])
+            if not asked[0] or not all(asked[0]):
+                continue  # no space, or one without questions (the seed's backward)
+            assert [len(a) for a in asked[0]] == [len(a) for a in asked[1]], (name, rule)
+            compared += 1
+    assert compared >= len(QUESTION_LAYERS) - 1  # the seed's CUDA backward asks nothing
+
+
 def test_the_space_is_wider_than_the_default():
     # The output-channel structure is the default only from 512 pixels on; its space is
     # offered from 128, so a tuned win on a smaller map stays reachable.

@@ -456,13 +456,13 @@ def class_records(
     class that holds a size of the layer whose exact shape this machine's own logs hold a
     record of that ran at least ``records.MIN_TUNED_GAIN`` faster than the default
     (:func:`records.tuned_shapes`), the record they choose for it (as :func:`resolve` does
-    from them; of the size with the most pixels where a class holds several). Its trace is
-    replayed on the PrimFunc for any size
-    (:func:`tvm_deform.schedules.replayed_any_size_schedule`), and the class runs it where it
-    is faster than the default's kernel at the tuned size, timed here at the layer's first use
-    (:func:`tvm_deform.runtime.dispatch.replay_wins`, kept on disk): tuning a layer at one size
-    can then speed up the sizes near it too, not the tuned size alone (which runs its kernel
-    for one size, see :func:`any_size`)."""
+    from them; of the size with the most pixels where a class holds several). It is replayed
+    on the PrimFunc for any size (:func:`tvm_deform.schedules.replayed_any_size_schedule`:
+    its rule applied there with its choices, or its steps replayed), and the class runs it
+    where it is faster than the default's kernel at the tuned size, timed here at the layer's
+    first use (:func:`tvm_deform.runtime.dispatch.replay_wins`, kept on disk): tuning a layer
+    at one size can then speed up the sizes near it too, not the tuned size alone (which runs
+    its kernel for one size, see :func:`any_size`)."""
     classes = classes or schedules.pixel_classes(shape, target)
     found = {}
     for size in _tuned_sizes(shape, target, "forward"):
@@ -555,8 +555,9 @@ def _any_size_class(
 
 
 class ReplayError(ValueError):
-    """A tuned record's trace does not replay on a PrimFunc for any size (its stages differ,
-    or a step's condition does not hold there)."""
+    """A tuned record does not replay on a PrimFunc for any size: it is of no design space of
+    the rules (:func:`tvm_deform.schedules.derive`) and its steps do not apply there (its
+    stages differ, or a step's condition does not hold there)."""
 
 
 def _replay_failed(record: records.TunedRecord, what: str, error: Exception) -> None:
@@ -663,9 +664,7 @@ def _any_size_backward(
         if record is not None:
             try:
                 return compile_backward(layer, target, record, gradients, quantum)
-            except ReplayError:
-                # e.g. on a GPU, where the PrimFunc for any size has stages the one of one
-                # size has not (the output gradient's pixels, the pixels' base)
+            except ReplayError:  # a record of another design space
                 log.info("%s does not replay on the %s: default schedule", record.space, what)
                 fell_back("does not replay")
             except Exception as error:  # noqa: BLE001 - any failure: the default's kernels

@@ -312,6 +312,7 @@ def _seeds(
     found = [(DEFAULT_SPACE, "default", kernels.default_schedule(shape, target, op))]
     for name, space in named_design_spaces(op, context.mod["main"], target):
         sch = space.copy()
+        sch.enter_postproc()  # the postprocessors' steps marked, as MetaSchedule's search does
         if _postprocessed(sch, context.space_generator.postprocs):
             found.append((SPACE, name, sch))
     seeds = []
@@ -326,8 +327,7 @@ def _postprocessed(sch: s_tir.Schedule, postprocs: list) -> bool:
     """Whether every one of ``postprocs`` takes ``sch`` (applying them to it). One that raises
     rejects it, as MetaSchedule's search drops a schedule a postprocessor raises on (its
     ``RewriteReductionBlock`` raises on a reduction block whose indices it does not take for
-    affine). Their steps follow the trace's postprocessing mark, as in MetaSchedule's search."""
-    sch.enter_postproc()
+    affine)."""
     try:
         return all(postproc.apply(sch) for postproc in postprocs)
     except RuntimeError:  # tvm's ScheduleError
