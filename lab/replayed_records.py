@@ -6,9 +6,11 @@ there with the record's choices; or, for a record of another design space, its s
 replayed), and the default's kernel of that class, called by turns at the tuned size and at
 sizes of the same class around it; the median of the ratios of neighbouring calls (record /
 default) over ``--calls`` pairs. A record that does not carry over or build is reported as
-such. ``TVM_DEFORM_LOGS=DIR`` reads the records of a tuning run there.
+such. ``TVM_DEFORM_LOGS=DIR`` reads the records of a tuning run there; ``--steps`` replays
+every record's steps, derived or not (the way records carried over before they were derived;
+give it a kernel cache of its own, ``TVM_DEFORM_CACHE_DIR``, as the kernels share a name).
 
-    .venv/bin/python lab/replayed_records.py [--layers NAME ...] [--calls 41]
+    .venv/bin/python lab/replayed_records.py [--layers NAME ...] [--calls 41] [--steps]
 """
 
 from __future__ import annotations
@@ -55,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", nargs="*", help="suite layers (default: all)")
     parser.add_argument("--calls", type=int, default=41, help="pairs of calls per size")
+    parser.add_argument("--steps", action="store_true", help="replay steps, derive none")
     args = parser.parse_args(argv)
+    if args.steps:
+        schedules.derive = lambda *args: None
     target = targets.host_target()
     key = targets.hardware_key(target)
     suite = load_suite()

@@ -245,23 +245,27 @@ def derive(
     :func:`replay`, the result is the rule's own schedule of ``func``: its stages and index
     arithmetic for any size, with the tuned numbers. None where ``trace`` is of no design
     space of ``tuned`` (tuned by another version of the rules, or postprocessing aside, not
-    a design space's schedule) or the rule's space of ``func`` asks other questions."""
+    a design space's schedule), the rule offers no such space of ``func``, or its space of
+    ``func`` asks another number of questions. The record's postprocessing is not carried
+    over: the kernel is the rule's schedule, as the default's is."""
     rules = {repr(rule): rule for rule in rules_for(kernel, target)}
     with answers_given() as asked:
         spaces = named_design_spaces(kernel, tuned, target)
     matches = []
     for index, (name, space) in enumerate(spaces):
-        values = _values_chosen(space, asked(space), trace)
-        if values is not None:
+        matched = _values_chosen(space, asked(space), trace)
+        if matched is not None:
             variant = [other for other, _ in spaces[:index]].count(name)
-            matches.append((len(space.trace.insts), name, variant, values))
+            steps, values = matched
+            matches.append((steps, -index, name, variant, values))
     if not matches:
         return None
-    _, name, variant, values = max(matches)  # the longest space the trace begins with
+    # the space with the most steps the trace begins with; of equals, the first in RULES
+    *_, name, variant, values = max(matches, key=lambda match: match[:2])
     with answers_given() as asked_here:
         try:
             found = rules[name].apply(func, target, tunable=True)
-        except Exception:  # noqa: BLE001 - any of TVM's errors: its space does not take func
+        except (ValueError, TypeError, RuntimeError):  # the rule does not take func as a space
             return None
     found = found if isinstance(found, list) else [found] if found is not None else []
     if variant >= len(found):
@@ -271,17 +275,27 @@ def derive(
 
 def _values_chosen(
     space: s_tir.Schedule, answers: list, trace: s_tir.Trace
-) -> list[int | None] | None:
-    """The value ``trace`` chose for each of ``answers`` (the answers ``space``'s rule gave,
-    in order; see :func:`answers_given`), or None where ``trace`` does not begin with
-    ``space``'s steps, its sampled choices aside: as the rule made them (a seed of a tuning
-    round), or without the steps whose results nothing uses (MetaSchedule's search keeps its
-    traces so). What follows them is postprocessing, marked as such or not."""
+) -> tuple[int, list[int | None]] | None:
+    """How many of ``trace``'s steps are ``space``'s, and the value ``trace`` chose for each
+    of ``answers`` (the answers ``space``'s rule gave, in order; see :func:`answers_given`);
+    None where ``trace`` does not begin with ``space``'s steps, its sampled choices aside: as
+    the rule made them (a seed of a tuning round), or without the steps whose results nothing
+    uses (MetaSchedule's search keeps its traces so). The steps that follow are taken for
+    postprocessing, marked as such or not."""
+    if not _every_sample_answers(space, answers):
+        return None
     for steps in (space.trace.insts, space.trace.simplified(remove_postproc=True).insts):
         values = _values_in(list(steps), answers, trace)
         if values is not None:
-            return values
+            return len(steps), values
     return None
+
+
+def _every_sample_answers(space: s_tir.Schedule, answers: list) -> bool:
+    """Whether every ``sample_categorical`` of ``space`` is one of ``answers`` (its rule asked
+    every choice through :class:`.rule.Choices`, on this schedule)."""
+    sampled = sum(not isinstance(answer, int) for answer in answers)
+    return sampled == sum(inst.kind.name == "SampleCategorical" for inst in space.trace.insts)
 
 
 def _values_in(
@@ -322,7 +336,7 @@ def _answered(
     """``func`` under ``space``'s steps with each of its ``answers`` set to the corresponding
     of ``values`` where that value is among its candidates (its own decision otherwise); None
     where the two lists differ in length."""
-    if len(answers) != len(values):
+    if len(answers) != len(values) or not _every_sample_answers(space, answers):
         return None
     steps = space.trace.insts
     samples = [inst for inst in steps if inst.kind.name == "SampleCategorical"]

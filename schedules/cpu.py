@@ -185,7 +185,7 @@ class OutputChannelCPU(ForwardCPU):
             return layer.suits_output_channel_vectors(vector, registers)
         return (
             layer.channels_per_offset_group >= 2
-            and layer.pixels >= 2 * max(self.tile_candidates)
+            and layer.min_pixels >= 2 * max(self.tile_candidates)
             and layer.out_channels * layer.in_per_group * layer.taps <= 4 * PACKED_WEIGHT_MAX
             and any(self._vector_fits(layer, b) for b in self.vector_candidates)
         )

@@ -86,8 +86,10 @@ class BackwardCUDA(Rule):
     ) -> s_tir.Schedule | list[s_tir.Schedule] | None:
         """The default schedule; as a design space, two: the weight's reduction in one pass,
         and split into a sampled number of parts (where its chunks can be split). Both sample
-        the GEMMs' tiles and chunks among sizes that divide their extents (for any size, the
-        pixels' quantum), starting at the default's."""
+        the GEMMs' tiles, and the column gradient's chunk, among sizes that divide their
+        extents (for any size, the pixels' quantum), starting at the default's; the weight
+        gradient's chunk is sampled in one pass, and fixed where split (one that every sampled
+        count of parts divides)."""
         sch = s_tir.Schedule(func)
         names = _names(sch)
         if "sample_coef" not in names or "conv" in names:

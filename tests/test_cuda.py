@@ -1206,7 +1206,8 @@ def test_random_points_of_the_cuda_backward_spaces_for_any_size_match_torchvisio
     assert len(points) == 4  # two spaces, two points each
     for sch in points:
         compiled = emulated_backward(layer, "symbolic", quantum, gradients=sch)[1]
-        for batch, height, width in ((1, 7, 9), (2, 12, 5), (3, 1, 3)):
+        # maps of one quantum of pixels and of three (the split's parts across them)
+        for batch, height, width in ((1, 7, 9), (3, 1, 3), (2, 12, 13)):
             shape = dataclasses.replace(layer, batch=batch, height=height, width=width)
             inputs = random_inputs(shape)
             grad_output = torch.randn(shape.batch, shape.out_channels, shape.out_h, shape.out_w)
@@ -1473,6 +1474,7 @@ def test_a_cuda_rounds_candidates_carry_over_to_the_kernels_for_any_size(tmp_pat
     mod = records.workload_module(layer, "backward")
     quantum = schedules.backward_pixel_quantum(layer, target)
     spaces = [entry for entry in backward["candidates"] if entry.get("seed") != "default"]
+    assert [entry.get("seed") for entry in spaces[:3]] == ["BackwardCUDA", "BackwardCUDA", None]
     for entry in spaces[:3]:  # the two spaces' seeds and a searched one
         trace = rounds.measure_candidate(entry, mod).sch.trace
         tuning = ms.database.TuningRecord(trace, ms.database.Workload(mod), [1e-3], target)

@@ -5,6 +5,7 @@ the default picks."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 
@@ -299,7 +300,7 @@ def test_a_rule_asks_the_same_questions_at_one_size_and_for_any_size(kernel, tar
 
     target = targets.host_target() if target_name == "host" else targets.cuda_target("sm_90")
     suite = load_suite()
-    compared = 0
+    compared = set()
     for name in QUESTION_LAYERS:
         shape = suite[name]
         if kernel == "forward":
@@ -322,11 +323,44 @@ def test_a_rule_asks_the_same_questions_at_one_size_and_for_any_size(kernel, tar
                     spaces = rule.apply(func, target, tunable=True)
                 spaces = spaces if isinstance(spaces, list) else [spaces] if spaces else []
                 asked.append([answers(space) for space in spaces])
-            if not asked[0] or not all(asked[0]):
-                continue  # no space, or one without questions (the seed's backward)
+                for space in spaces:  # every sampled choice went through Choices
+                    assert schedules._every_sample_answers(space, answers(space)), (name, rule)
+            if not asked[0] or not any(asked[0]):
+                # no space of this layer, or one that asks nothing at its own size (the seed's
+                # CUDA backward: no tile divides its pixels), which has nothing to carry over
+                continue
             assert [len(a) for a in asked[0]] == [len(a) for a in asked[1]], (name, rule)
-            compared += 1
-    assert compared >= len(QUESTION_LAYERS) - 1  # the seed's CUDA backward asks nothing
+            compared.add(name)
+    assert len(compared) >= len(QUESTION_LAYERS) - 1  # the seed's CUDA backward asks nothing
+
+
+def test_random_points_of_the_spaces_for_any_size_match_torchvision():
+    """A tuned record carried over to the kernels for any size of its layer runs its rule's
+    design space of the PrimFunc for any size at the record's choices (``schedules.derive``):
+    two random points of each space of every CPU forward rule that takes a size class from 128
+    pixels, run at three sizes of the class, give torchvision's numbers."""
+    from tvm.s_tir.schedule import Trace
+
+    from tvm_deform.runtime.inputs import conv_kwargs, random_inputs
+
+    target = targets.host_target()
+    layer = ConvShape(0, 16, 0, 0, 32, 3, 3, pad_h=1, pad_w=1, has_bias=True)
+    func = schedules._any_size_definition(layer, target, "NCHW", 128)
+    spaces = schedules.named_design_spaces("forward", func, target)
+    assert {name for name, _ in spaces} >= {"OutputChannelCPU", "ColumnTileCPU"}
+    for _, space in spaces:
+        for seed in (1, 2):
+            sch = s_tir.Schedule(func, seed=seed)
+            Trace(space.trace.insts, {}).apply_to_schedule(sch, remove_postproc=True)
+            kernel = tvm.compile(sch.mod, target=target)["deform_conv2d"]
+            for batch, height, width in ((1, 12, 12), (2, 9, 16), (1, 13, 20)):
+                shape = dataclasses.replace(layer, batch=batch, height=height, width=width)
+                inputs = random_inputs(shape)
+                names = ("input", "offset", "weight", "bias", "mask")
+                ours = run_forward(shape, *(inputs[n] for n in names), kernel)
+                upcast = {n: inputs[n].double() for n in names}
+                expected = torchvision.ops.deform_conv2d(**upcast, **conv_kwargs(shape))
+                assert_close(ours, expected, TOLERANCE[torch.float32])
 
 
 def test_the_space_is_wider_than_the_default():

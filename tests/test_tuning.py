@@ -207,8 +207,11 @@ def test_a_tuned_size_gives_its_record_to_the_kernels_for_any_size_near_it(
     assert classes == (1,)  # one class: every size of the layer runs the record
     found = kernels.class_records(TINY, target)
     assert {c: (s, r.identity) for c, (s, r) in found.items()} == {1: (TINY, chosen.identity)}
-    # Ahead of time (precompile's workers), both kernels compile, untimed.
+    # Ahead of time (precompile's workers), both kernels compile, untimed; the record's is
+    # derived, not its steps replayed.
     monkeypatch.setattr(dispatch, "replay_wins", lambda *args: pytest.fail("timed ahead"))
+    replay = schedules.replay
+    monkeypatch.setattr(schedules, "replay", lambda *args: pytest.fail("not derived"))
     kernels.compile_candidates(dataclasses.replace(TINY, height=9), target, "forward")
     assert kernels.cache_path(layer, target, chosen.identity, "forward_any_size_1").is_file()
     timed = []  # the replay runs where it wins timed against the default (tested below)
@@ -236,10 +239,13 @@ def test_a_tuned_size_gives_its_record_to_the_kernels_for_any_size_near_it(
     derived = schedules.replayed_any_size_schedule(TINY, target, 1, tuned_func, chosen.record.trace)
     func = schedules._any_size_definition(layer, target, "NCHW", 1)
     assert schedules.derive("forward", func, target, tuned_func, chosen.record.trace) is not None
-    own = schedules.forward_schedule(layer, target, min_pixels=1)
-    assert chosen_values(derived)[-1] == chosen_values(records.tuned_schedule(TINY, chosen))[-1]
-    assert derived.mod.script() != own.mod.script()
+    values = chosen_values(derived)
+    assert values  # the questions after the pixel tile, with the record's answers
+    assert values == chosen_values(records.tuned_schedule(TINY, chosen))[-len(values) :]
+    space = schedules.design_spaces("forward", func, target)[0]  # the record's, as generated
+    assert chosen_values(space) != values  # not the rule's own choices
     # A trace that names blocks the forward does not have does not replay: None, not an error.
+    monkeypatch.setattr(schedules, "replay", replay)
     backward = schedules.apply_default("backward", definition.backward(TINY), target)
     assert schedules.replayed_any_size_schedule(TINY, target, 1, tuned_func, backward.trace) is None
 
@@ -257,8 +263,10 @@ def test_a_tuned_backward_size_gives_its_record_to_the_backward_for_any_size(
     assert (size, record.identity) == (TINY, chosen.identity)
     every, some = definition.ALL_GRADIENTS, definition.Gradients(False, True, True)
     layer = TINY.any_size()
-    # Ahead of time (precompile's workers), both kernels compile, untimed.
+    # Ahead of time (precompile's workers), both kernels compile, untimed; the record's is
+    # derived, not its steps replayed.
     monkeypatch.setattr(dispatch, "replay_wins", lambda *args: pytest.fail("timed ahead"))
+    monkeypatch.setattr(schedules, "replay", lambda *args: pytest.fail("not derived"))
     kernels.compile_candidates(dataclasses.replace(TINY, height=9), target, "backward")
     assert kernels.cache_path(layer, target, chosen.identity, "backward_any_size").is_file()
     monkeypatch.setattr(dispatch, "replay_wins", lambda *args: args[2] == "backward")

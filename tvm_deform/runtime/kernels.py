@@ -555,9 +555,10 @@ def _any_size_class(
 
 
 class ReplayError(ValueError):
-    """A tuned record does not replay on a PrimFunc for any size: it is of no design space of
-    the rules (:func:`tvm_deform.schedules.derive`) and its steps do not apply there (its
-    stages differ, or a step's condition does not hold there)."""
+    """A tuned record does not replay on a PrimFunc for any size: it cannot be derived there
+    (:func:`tvm_deform.schedules.derive`: of no design space of the rules, or its rule offers
+    no such space of that PrimFunc) and its steps do not apply there (its stages differ, or a
+    step's condition does not hold there)."""
 
 
 def _replay_failed(record: records.TunedRecord, what: str, error: Exception) -> None:
