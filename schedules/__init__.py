@@ -130,12 +130,16 @@ def any_size_quantum(shape: ConvShape, target: Target, min_pixels: int) -> int:
 
 
 def _any_size_definition(
-    shape: ConvShape, target: Target, layout: str = "NCHW", min_pixels: int = 1
+    shape: ConvShape,
+    target: Target,
+    layout: str = "NCHW",
+    min_pixels: int = 1,
+    quantum: int | None = None,
 ) -> tirx.PrimFunc:
     return definition.forward(
         shape,
         layout,
-        pixel_quantum=any_size_quantum(shape, target, min_pixels),
+        pixel_quantum=quantum or any_size_quantum(shape, target, min_pixels),
         sizes="symbolic",
         min_pixels=min_pixels,
         # A CPU's tiles copy their offsets and masks to stages read by vector loads; a GPU
@@ -215,9 +219,27 @@ def replayed_any_size_schedule(
     """``trace``, a tuned schedule of ``tuned`` (the forward PrimFunc of one size of
     ``shape``'s layer, postprocessing included), for the forward for any size of the layer in
     the size class from ``min_pixels`` (see :func:`forward_schedule`; :func:`replayed`), or
-    None where it does not carry over."""
-    func = _any_size_definition(shape.any_size(), target, "NCHW", min_pixels)
-    return replayed("forward", func, target, tuned, trace)
+    None where it does not carry over.
+
+    On a CPU, the PrimFunc for any size pads its pixels to a multiple of the rule's pixel tile,
+    which fixes that tile (see :class:`.cpu.ForwardCPU`): a derived kernel takes the tile the
+    record chose by padding to it instead of the size class's default tile, where its rule
+    then takes that tile (a tile of 16 kept a column-tile record at 0.97x the default's time
+    on a Zen 4, where the default's tile of 32 left it at 1.01-1.05x)."""
+    layer = shape.any_size()
+    func = _any_size_definition(layer, target, "NCHW", min_pixels)
+    matched = _match("forward", tuned, target, trace)
+    if matched is None:
+        return replay(func, trace)
+    rule, variant, values = matched
+    tile = values[0] if values and target.kind.name == "llvm" else None
+    if isinstance(tile, int) and tile != any_size_quantum(layer, target, min_pixels):
+        padded = _any_size_definition(layer, target, "NCHW", min_pixels, quantum=tile)
+        derived = _answer(rule, variant, values, padded, target)
+        if derived is not None and derived[1][:1] == [tile]:
+            return derived[0]
+    derived = _answer(rule, variant, values, func, target)
+    return derived[0] if derived is not None else replay(func, trace)
 
 
 def replayed(
@@ -248,7 +270,19 @@ def derive(
     a design space's schedule), the rule offers no such space of ``func``, or its space of
     ``func`` asks another number of questions. The record's postprocessing is not carried
     over: the kernel is the rule's schedule, as the default's is."""
-    rules = {repr(rule): rule for rule in rules_for(kernel, target)}
+    matched = _match(kernel, tuned, target, trace)
+    if matched is None:
+        return None
+    derived = _answer(*matched, func, target)
+    return None if derived is None else derived[0]
+
+
+def _match(
+    kernel: str, tuned: tirx.PrimFunc, target: Target, trace: s_tir.Trace
+) -> tuple[Rule, int, list[int | None]] | None:
+    """The rule whose design space of ``tuned`` gave ``trace``, which of its spaces, and the
+    value ``trace`` chose for each of its questions; None where ``trace`` is of none (see
+    :func:`derive`)."""
     with answers_given() as asked:
         spaces = named_design_spaces(kernel, tuned, target)
     matches = []
@@ -262,15 +296,25 @@ def derive(
         return None
     # the space with the most steps the trace begins with; of equals, the first in RULES
     *_, name, variant, values = max(matches, key=lambda match: match[:2])
-    with answers_given() as asked_here:
+    rule = next(rule for rule in rules_for(kernel, target) if repr(rule) == name)
+    return rule, variant, values
+
+
+def _answer(
+    rule: Rule, variant: int, values: list[int | None], func: tirx.PrimFunc, target: Target
+) -> tuple[s_tir.Schedule, list] | None:
+    """``func`` under ``rule``'s ``variant``-th design space of it with its questions answered
+    by ``values`` (see :func:`_answered`), and the answers that gave; None where the rule
+    offers no such space of ``func``."""
+    with answers_given() as asked:
         try:
-            found = rules[name].apply(func, target, tunable=True)
+            found = rule.apply(func, target, tunable=True)
         except (ValueError, TypeError, RuntimeError):  # the rule does not take func as a space
             return None
     found = found if isinstance(found, list) else [found] if found is not None else []
     if variant >= len(found):
         return None
-    return _answered(func, found[variant], asked_here(found[variant]), values)
+    return _answered(func, found[variant], asked(found[variant]), values)
 
 
 def _values_chosen(
@@ -332,23 +376,28 @@ def _sample_of(samples: list[Instruction], answer) -> Instruction | None:
 
 def _answered(
     func: tirx.PrimFunc, space: s_tir.Schedule, answers: list, values: list[int | None]
-) -> s_tir.Schedule | None:
+) -> tuple[s_tir.Schedule, list[int]] | None:
     """``func`` under ``space``'s steps with each of its ``answers`` set to the corresponding
-    of ``values`` where that value is among its candidates (its own decision otherwise); None
-    where the two lists differ in length."""
+    of ``values`` where that value is among its candidates (its own decision otherwise), and
+    the value each question took; None where the two lists differ in length."""
     if len(answers) != len(values) or not _every_sample_answers(space, answers):
         return None
     steps = space.trace.insts
     samples = [inst for inst in steps if inst.kind.name == "SampleCategorical"]
     decisions = dict(space.trace.decisions.items())
+    taken = []
     for answer, value in zip(answers, values, strict=True):
         sample = None if isinstance(answer, int) else _sample_of(samples, answer)
-        candidates = [] if sample is None else [int(c) for c in sample.attrs[0]]
+        if sample is None:
+            taken.append(answer)
+            continue
+        candidates = [int(c) for c in sample.attrs[0]]
         if value in candidates:
             decisions[sample] = candidates.index(value)
+        taken.append(candidates[int(decisions[sample])])
     sch = s_tir.Schedule(func)
     Trace(steps, decisions).apply_to_schedule(sch, remove_postproc=True)
-    return sch
+    return sch, taken
 
 
 def replay(func: tirx.PrimFunc, trace: s_tir.Trace) -> s_tir.Schedule | None:

@@ -87,7 +87,9 @@ def _default_rule(shape: ConvShape, target: Target, min_pixels: int) -> ForwardC
 class ForwardCPU(Rule):
     """What the CPU forward rules share: they take the forward PrimFunc of
     :mod:`tvm_deform.ir.definition`, read its :class:`Layer`, and ask :meth:`takes` whether the
-    layer is theirs before :meth:`schedule` lays the structure out."""
+    layer is theirs before :meth:`schedule` lays the structure out. The first question each
+    asks its :class:`Choices` is the pixel tile, which a PrimFunc for any size fixes (its
+    pixels padded to a multiple of it; see ``schedules.replayed_any_size_schedule``)."""
 
     kernel = "forward"
     target_kind = "llvm"

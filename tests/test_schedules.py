@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import sys
 
 import pytest
@@ -338,25 +339,26 @@ def test_random_points_of_the_spaces_for_any_size_match_torchvision():
     """A tuned record carried over to the kernels for any size of its layer runs its rule's
     design space of the PrimFunc for any size at the record's choices (``schedules.derive``):
     two random points of each space of every CPU forward rule that takes a size class from 128
-    pixels, run at three sizes of the class, give torchvision's numbers."""
+    pixels, its pixels padded to the default's tile and to a smaller one (a record's tile),
+    run at three sizes of the class, give torchvision's numbers."""
     from tvm.s_tir.schedule import Trace
 
     from tvm_deform.runtime.inputs import conv_kwargs, random_inputs
 
     target = targets.host_target()
     layer = ConvShape(0, 16, 0, 0, 32, 3, 3, pad_h=1, pad_w=1, has_bias=True)
-    func = schedules._any_size_definition(layer, target, "NCHW", 128)
-    spaces = schedules.named_design_spaces("forward", func, target)
-    assert {name for name, _ in spaces} >= {"OutputChannelCPU", "ColumnTileCPU"}
-    for _, space in spaces:
-        for seed in (1, 2):
+    names = ("input", "offset", "weight", "bias", "mask")
+    for quantum in (None, 16):
+        func = schedules._any_size_definition(layer, target, "NCHW", 128, quantum)
+        spaces = schedules.named_design_spaces("forward", func, target)
+        assert {name for name, _ in spaces} >= {"OutputChannelCPU", "ColumnTileCPU"}
+        for (_, space), seed in itertools.product(spaces, (1, 2)):
             sch = s_tir.Schedule(func, seed=seed)
             Trace(space.trace.insts, {}).apply_to_schedule(sch, remove_postproc=True)
             kernel = tvm.compile(sch.mod, target=target)["deform_conv2d"]
             for batch, height, width in ((1, 12, 12), (2, 9, 16), (1, 13, 20)):
                 shape = dataclasses.replace(layer, batch=batch, height=height, width=width)
                 inputs = random_inputs(shape)
-                names = ("input", "offset", "weight", "bias", "mask")
                 ours = run_forward(shape, *(inputs[n] for n in names), kernel)
                 upcast = {n: inputs[n].double() for n in names}
                 expected = torchvision.ops.deform_conv2d(**upcast, **conv_kwargs(shape))

@@ -173,9 +173,9 @@ def choose_the_tuned_record(
 
 def other_choices(mod: tvm.IRModule, space: s_tir.Schedule) -> s_tir.Trace:
     """The trace of ``space`` (a design space of ``mod`` as generated) with each sampled
-    choice moved from the rules' own value to the next candidate (or the first)."""
+    choice moved from the rules' own value to the previous candidate (or the last)."""
     decisions = {
-        inst: (int(decision) + 1) % len(inst.attrs[0])
+        inst: (int(decision) - 1) % len(inst.attrs[0])
         for inst, decision in space.trace.decisions.items()
     }
     assert decisions, "a design space with no choices"
@@ -240,8 +240,12 @@ def test_a_tuned_size_gives_its_record_to_the_kernels_for_any_size_near_it(
     func = schedules._any_size_definition(layer, target, "NCHW", 1)
     assert schedules.derive("forward", func, target, tuned_func, chosen.record.trace) is not None
     values = chosen_values(derived)
+    tuned_values = chosen_values(records.tuned_schedule(TINY, chosen))
     assert values  # the questions after the pixel tile, with the record's answers
-    assert values == chosen_values(records.tuned_schedule(TINY, chosen))[-len(values) :]
+    assert values == tuned_values[-len(values) :]
+    # the record's pixel tile (16), which the padding's quantum fixes for any size
+    assert tuned_values[0] == 16 != schedules.any_size_quantum(TINY, target, 1)
+    assert int(derived.mod["main"].attrs["pixel_quantum"]) == 16
     space = schedules.design_spaces("forward", func, target)[0]  # the record's, as generated
     assert chosen_values(space) != values  # not the rule's own choices
     # A trace that names blocks the forward does not have does not replay: None, not an error.
