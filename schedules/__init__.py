@@ -224,8 +224,8 @@ def replayed_any_size_schedule(
     On a CPU, the PrimFunc for any size pads its pixels to a multiple of the rule's pixel tile,
     which fixes that tile (see :class:`.cpu.ForwardCPU`): a derived kernel takes the tile the
     record chose by padding to it instead of the size class's default tile, where its rule
-    then takes that tile (a tile of 16 kept a column-tile record at 0.97x the default's time
-    on a Zen 4, where the default's tile of 32 left it at 1.01-1.05x)."""
+    then takes that tile (on a Zen 4, a column-tile record tuned with a tile of 16 ran
+    0.92-0.97x the default's time so, 1.01-1.05x with the default's tile of 32)."""
     layer = shape.any_size()
     func = _any_size_definition(layer, target, "NCHW", min_pixels)
     matched = _match("forward", tuned, target, trace)
