@@ -19,8 +19,11 @@ call cut short keeps what was done; the exit code is non-zero if any step failed
 4. check: random configurations against torchvision's CUDA ``deform_conv2d`` (float32, and
    float16/bfloat16 against float32 on the upcast inputs), the five gradients of a few against
    torchvision's and repeated to the bit, a forward of 70000 images and a backward of 7300
-   (more than one launch's grid holds: they run in chunks), and a CUDA-graph capture on a side
-   stream (fails if a kernel leaves torch's current stream or the host synchronises);
+   (more than one launch's grid holds: they run in chunks), a CUDA-graph capture on a side
+   stream (fails if a kernel leaves torch's current stream or the host synchronises), and a
+   tuned record's choices carried over to the kernels for any size of the demo layer, forward
+   and backward, against torchvision at two other sizes (``check_carried_records``: the
+   tuning logs a round brings are run so);
 5. time: per workload and dtype, the median of CUDA-event timings of torchvision (where it has
    a kernel: not bfloat16), our default kernel (for any size) and tuned kernels (through their
    handles), the public ``deform_conv2d`` as users call it, the fused structure (the columns
@@ -205,6 +208,92 @@ def check_large_batch(device: str) -> dict:
         "backward_errors": errors,
         "passed": max(forward, *errors.values()) <= 2e-5,
     }
+
+
+def check_carried_records(device: str, name: str = "demo_64x56x56") -> list[dict]:
+    """A tuned record carried over to the kernels for any size of its layer, as dispatch
+    carries this machine's logs' records (``schedules.derive``: the rule's design space for
+    any size, with the record's choices), on ``device``: for the forward and the backward of
+    ``name``, the first design space's schedule of the layer's own size with every choice
+    moved one candidate from the rule's own, derived for any size and run at two other sizes
+    against torchvision's op (float32). The emulated tests check such kernels' arithmetic on a
+    CPU, not their thread bindings; a record that does not derive fails the step."""
+    import torchvision.ops
+
+    from tvm_deform.runtime import calls
+
+    shape = load_suite()[name]
+    target = _target(device)
+    layer = shape.any_size()
+    sizes = [
+        dataclasses.replace(shape, batch=2, height=h, width=w) for h, w in ((53, 61), (60, 47))
+    ]
+    rows = []
+    for op in ("forward", "backward"):
+        record = _moved_record(shape, target, op)
+        fell_back: list[str] = []
+        if op == "backward":
+            quantum = schedules.backward_pixel_quantum(shape, target)
+            module = kernels.compile_backward(layer, target, record, quantum=quantum)
+            compiled = kernels._backward_kernels(module, layer, target, definition.ALL_GRADIENTS)
+            compiled = compiled._replace(quantum=quantum, any_size=True)
+        for size in sizes:
+            args = _inputs(size, device, torch.float32, seed=len(rows))
+            tensors = [args[n] for n in ("input", "offset", "weight", "bias", "mask")]
+            expected = torchvision.ops.deform_conv2d(**args)
+            if op == "forward":
+                size_class = kernels._size_class(size, schedules.pixel_classes(size, target))
+                kernel = kernels._any_size_class(
+                    layer, target, "NCHW", size_class, record, fell_back.append
+                )
+                ours = calls.run_forward(size, *tensors, kernel=kernel)
+                errors = {"output": relative_error(ours, expected)}
+            else:
+                grad_output = torch.randn_like(expected)
+                input, offset, weight, _, mask = tensors
+                ours = calls.run_backward(size, grad_output, input, offset, weight, mask, compiled)
+                present = [
+                    n for n in ("input", "offset", "mask", "weight", "bias") if args[n] is not None
+                ]
+                leaves = {n: args[n].detach().clone().requires_grad_() for n in present}
+                out = torchvision.ops.deform_conv2d(**(args | leaves))
+                theirs = torch.autograd.grad(out, list(leaves.values()), grad_output)
+                order = ("input", "offset", "mask", "weight", "bias")
+                errors = {
+                    n: relative_error(ours[order.index(n)], value)
+                    for n, value in zip(present, theirs, strict=True)
+                }
+            rows.append(
+                {
+                    "op": op,
+                    "size": f"{size.batch}x{size.height}x{size.width}",
+                    "errors": errors,
+                    "fell_back": fell_back,
+                    "passed": not fell_back and max(errors.values()) <= 2e-5,
+                }
+            )
+    return rows
+
+
+def _moved_record(shape: ConvShape, target, op: str):
+    """A record of ``shape``'s ``op``: its first design space on ``target`` with every sampled
+    choice moved one candidate back from the rule's own (or to the last)."""
+    from tvm import s_tir
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvm_deform.runtime import records
+
+    mod = records.workload_module(shape, op)
+    space = schedules.design_spaces(op, mod["main"], target)[0]
+    decisions = {
+        inst: (int(decision) - 1) % len(inst.attrs[0])
+        for inst, decision in space.trace.decisions.items()
+    }
+    sch = s_tir.Schedule(mod)
+    s_tir.Trace(space.trace.insts, decisions).apply_to_schedule(sch, remove_postproc=False)
+    tuning = ms.database.TuningRecord(sch.trace, ms.database.Workload(mod), [1e-3], target)
+    key = f"{target.kind.name}/moved"
+    return records.TunedRecord(Path("."), key, "handwritten", 1.0, tuning)
 
 
 def first_kernel(device: str) -> dict:
@@ -873,6 +962,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     step("large_batch", lambda: check_large_batch(args.device), lambda v: v["passed"])
     if cuda:
         step("stream", lambda: check_stream_capture(suite["demo_64x56x56"]), lambda v: v is True)
+    step(
+        "carried_records",
+        lambda: check_carried_records(args.device),
+        lambda value: all(row["passed"] for row in value),
+    )
     partial: list[dict] = []
 
     def timed(row: dict) -> None:

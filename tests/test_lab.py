@@ -50,6 +50,9 @@ def test_gpu_session_steps_run_on_the_cpu(tmp_path):
     assert results["gradients"]["ok"]
     large = results["large_batch"]["value"]
     assert results["large_batch"]["ok"] and large["forward_images"] > 65535
+    carried = results["carried_records"]["value"]  # derived for any size, at two sizes
+    assert [r["op"] for r in carried] == ["forward"] * 2 + ["backward"] * 2
+    assert results["carried_records"]["ok"] and not any(r["fell_back"] for r in carried)
     assert "time_so_far" not in results
     table = (tmp_path / "gpu_results.md").read_text()
     assert "demo_64x56x56" in table and "speed-up over torchvision" in table
