@@ -171,8 +171,19 @@ class OnePassCUDA(Rule):
 
     def _bind_tile(self, sch: s_tir.Schedule, part: list, n, o_outer, p_outer) -> None:
         """Bind the loops over a GEMM's output tiles (and the parts of a split reduction) to
-        the thread blocks: fused, along ``blockIdx.x``."""
-        self._bind(sch, sch.fuse(*part, n, o_outer, p_outer), "blockIdx.x")
+        the thread blocks: the pixel tiles along ``blockIdx.x``, the output-channel tiles
+        (with the parts) along ``y``, the images along ``z``, the order in which one axis
+        fused along ``x`` would run them. With symbolic sizes (a kernel for any size) no
+        index then divides by the pixel tiles' count: a fused axis gave the channel tile's
+        group as ``x % (2 * t) // (2 * t)``, which TVM could not bound, and it staged every
+        input channel's columns for each chunk (147 KiB of shared memory, past the 48 KiB
+        a kernel may declare)."""
+        if part:
+            sch.reorder(*part, o_outer, n)
+            o_outer = sch.fuse(*part, o_outer)
+        self._bind(sch, p_outer, "blockIdx.x")
+        self._bind(sch, o_outer, "blockIdx.y")
+        self._bind(sch, n, "blockIdx.z")
 
     def _stage_columns(self, sch: s_tir.Schedule, conv, columns, r_outer):
         """Stage the chunk of the columns the GEMM ``conv`` multiplies in shared memory at
@@ -239,9 +250,20 @@ class OnePassCUDA(Rule):
         self._bind(sch, p_thread, "threadIdx.x")
         if part:
             sch.reverse_compute_at(acc, p_thread)
+            written = acc
         else:
             sch.compute_inline(acc)
             sch.reverse_compute_at(output, p_thread)
+            written = output
+        # Each thread writes its register block back in unrolled loops: from loops left to
+        # ptxas, which it may not unroll, the accumulators' index is not a constant and their
+        # array goes to local memory (a 32-byte stack frame and spills in PipelinedCUDA's
+        # GEMM for any size of a 64-channel layer).
+        thread = sch.get(p_thread)
+        below = sch.get_loops(written)
+        depth = next(i for i, loop in enumerate(below) if sch.get(loop).same_as(thread))
+        for loop in below[depth + 1 :]:
+            sch.unroll(loop)
 
         # The chunk's weights and sampled columns, filled by all threads of the block.
         weight = sch.cache_read(conv, weight_index, self._shared)
@@ -582,14 +604,6 @@ class SampleOnceCUDA(SplitReductionCUDA):
             for loop in sch.get_loops(block)[depth:]:
                 sch.unroll(loop)
         sch.unroll(c_inner)
-
-    def _bind_tile(self, sch: s_tir.Schedule, part: list, n, o_outer, p_outer) -> None:
-        if part:
-            sch.reorder(*part, o_outer, n)
-            o_outer = sch.fuse(*part, o_outer)
-        self._bind(sch, p_outer, "blockIdx.x")
-        self._bind(sch, o_outer, "blockIdx.y")
-        self._bind(sch, n, "blockIdx.z")
 
     def _stage_columns(self, sch: s_tir.Schedule, conv, columns, r_outer):
         index = next(

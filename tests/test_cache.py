@@ -53,6 +53,23 @@ def kernel_file(shape: ConvShape) -> Path:
     return kernels.cache_path(shape, targets.host_target())
 
 
+@pytest.mark.parametrize("setting", kernels.MEMOISED_SETTINGS)
+def test_a_kernel_in_memory_is_loaded_again_when_a_setting_changes(setting, monkeypatch):
+    """A kernel remembered in memory under one value of a setting that chooses kernels (the
+    logs, the sizes, the thread pool, timing records) is not what the process runs after
+    the setting changes: it is loaded again, and again remembered."""
+    loads = []
+    key = ("test", setting)
+    monkeypatch.setenv(setting, "0")
+    try:
+        for value in ("0", "0", "1", "1", "0"):
+            monkeypatch.setenv(setting, value)
+            kernels._memoised(key, lambda value=value: loads.append(value) or len(loads))
+    finally:
+        kernels.clear_memory_cache()
+    assert loads == ["0", "1"]
+
+
 def test_kernels_are_sealed_with_their_digest(cache_dir):
     check(SHAPES[0])
     path = kernel_file(SHAPES[0])

@@ -104,6 +104,42 @@ def test_kernels_for_any_size_build_to_machine_code(arch):
         assert re.search(r"int h, int n, int w\)", source), (name, pixels)
 
 
+@needs_nvcc
+def test_every_forward_structure_for_any_size_builds_to_machine_code():
+    """Each CUDA forward rule's own schedule for any size (one per size class), the fused
+    structures' too, builds with nvcc for sm_90 without spills, its shared memory within the
+    rule's budget (of each stage, for a pipelined one): a 64-channel layer (the one-pass
+    structures), the 512-channel 10x10 one (the split ones) and one of four groups of 16
+    outputs. (With the output-channel tiles fused into the pixel tiles' axis, TVM could not
+    bound a tile's group for any size and the fused structures staged every channel's
+    columns: 147 KiB.)"""
+    import concurrent.futures
+
+    target = targets.cuda_target("sm_90", 132)
+    layers = [SUITE["demo_64x56x56"], SUITE["r50dcn320_c5_512x10x10"], FEW_OUTPUTS[2]]
+    jobs = []
+    for layer in layers:
+        for pixels in schedules.pixel_classes(layer, target):
+            func = schedules._any_size_definition(layer.any_size(), target, "NCHW", pixels)
+            for rule in schedules.rules_for("forward", target):
+                sch = rule.apply(func, target)
+                if sch is not None:
+                    # A pipelined rule's budget is each of its stages' buffers'.
+                    budget = rule.stages * rule.budget(target)
+                    jobs.append((repr(rule), layer, pixels, budget, sch))
+    assert {job[0] for job in jobs} >= {"OnePassCUDA", "SplitReductionCUDA", "SampleOnceCUDA"}
+
+    def build(job):
+        source = cuda_build.cuda_source(job[1], "sm_90", schedule=job[4])
+        return job, cuda_build.nvcc_build(source, "sm_90")
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for (name, layer, pixels, budget, _), built in pool.map(build, jobs):
+            assert not built.spills(), (name, layer, pixels, built.kernels)
+            smem = [int(m) for m in re.findall(r"(\d+) bytes smem", str(built.kernels))]
+            assert smem and max(smem) <= budget, (name, layer, pixels, smem)
+
+
 def test_shared_memory_stays_within_the_budget():
     target = targets.cuda_target("sm_90")
     for name, shape in SUITE.items():
@@ -1425,12 +1461,11 @@ def test_a_cuda_rounds_candidates_carry_over_to_the_kernels_for_any_size(tmp_pat
     (``kernels.class_records``). The candidates of a round, as their traces are committed,
     carried over to the layer's PrimFunc for any size (sizes symbolic) in the class of their
     size: each is derived (its rule's design space for any size, with the candidate's
-    choices; the default schedule's steps are replayed), and every seed of the sample-once
-    structures (the default's, the wide tile's, the pipelined one's; one pass and split) and
-    searched ones build with nvcc for sm_90. (The fused structures' kernels for any size
-    stage more than 48 KiB of shared memory, and a searched candidate may keep a local buffer
-    of a symbolic size: such a build fails, and dispatch runs the default schedule in that
-    class instead.) The backward's candidates are derived too, and build."""
+    choices; the default schedule's steps are replayed), and every seed (the sample-once
+    structures' spaces, one pass and split, and the fused ones') and searched ones build with
+    nvcc for sm_90. (A searched candidate may keep a local buffer of a symbolic size: such a
+    build fails, and dispatch runs the default schedule in that class instead.) The
+    backward's candidates are derived too, and build."""
     from tvm_deform.tools import rounds
 
     layer = ConvShape(1, 64, 20, 20, 64, 3, 3, pad_h=1, pad_w=1, has_bias=True)
@@ -1461,9 +1496,13 @@ def test_a_cuda_rounds_candidates_carry_over_to_the_kernels_for_any_size(tmp_pat
         else:  # the sizes are the kernels' arguments
             assert all(re.search(rf"\bint {size}\b", source) for size in "hnw")
         built.append((name, machine))
-    sample_once = ("default", "SampleOnceCUDA", "WideTileCUDA", "PipelinedCUDA")
-    assert sum(name in sample_once for name, _ in built) == 7  # the default, 2 spaces each
-    assert all(machine for name, machine in built if name in sample_once)
+    seeds = [name for name, _ in built if name != "searched"]
+    # The default, two spaces of each sample-once structure, one of each fused one.
+    assert sorted(seeds) == sorted(
+        ["default", "OnePassCUDA", "SplitReductionCUDA"]
+        + 2 * ["SampleOnceCUDA", "WideTileCUDA", "PipelinedCUDA"]
+    )
+    assert all(machine and not machine.spills() for name, machine in built if name in seeds)
     # The search's candidates (not the same from run to run) are derived too (asserted
     # above); whether each builds depends on its tiles.
     assert sum(name == "searched" for name, _ in built) >= 1

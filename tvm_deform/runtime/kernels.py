@@ -925,13 +925,23 @@ def _load_private(built: tvm.runtime.Module, name: str) -> tuple[tvm.runtime.Mod
         shutil.rmtree(directory, ignore_errors=True)
 
 
+#: the environment variables whose values are part of every memoised kernel's key
+MEMOISED_SETTINGS = (
+    "TVM_DEFORM_LOGS",
+    "XDG_DATA_HOME",
+    "TVM_DEFORM_SIZES",
+    "TVM_DEFORM_LAUNCHER",
+    "TVM_DEFORM_MEASURE",
+)
+
+
 def _memoised(key: tuple, load: Callable):
-    """``load()``, once per ``key`` and per log and pool settings (part of the key, so that
-    changing them mid-process takes effect)."""
+    """``load()``, once per ``key`` and per log, size, pool and timing settings
+    (:data:`MEMOISED_SETTINGS`, part of the key, so that changing them mid-process takes
+    effect)."""
     # The settings as the environment spells them: ``env.user_logs_dir()`` builds a path
     # (15 us), too much for every call.
-    settings = ("TVM_DEFORM_LOGS", "XDG_DATA_HOME", "TVM_DEFORM_SIZES", "TVM_DEFORM_LAUNCHER")
-    key = (*key, *(os.environ.get(name) for name in settings))
+    key = (*key, *(os.environ.get(name) for name in MEMOISED_SETTINGS))
     found = _memory.get(key)
     if found is not None:
         return found
