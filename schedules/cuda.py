@@ -176,7 +176,7 @@ class OnePassCUDA(Rule):
         fused along ``x`` would run them. With symbolic sizes (a kernel for any size) no
         index then divides by the pixel tiles' count: a fused axis gave the channel tile's
         group as ``x % (2 * t) // (2 * t)``, which TVM could not bound, and it staged every
-        input channel's columns for each chunk (147 KiB of shared memory, past the 48 KiB
+        input channel's columns for each chunk (148 KiB of shared memory, past the 48 KiB
         a kernel may declare)."""
         if part:
             sch.reorder(*part, o_outer, n)

@@ -112,7 +112,7 @@ def test_every_forward_structure_for_any_size_builds_to_machine_code():
     structures), the 512-channel 10x10 one (the split ones) and one of four groups of 16
     outputs. (With the output-channel tiles fused into the pixel tiles' axis, TVM could not
     bound a tile's group for any size and the fused structures staged every channel's
-    columns: 147 KiB.)"""
+    columns: 148 KiB.)"""
     import concurrent.futures
 
     target = targets.cuda_target("sm_90", 132)
