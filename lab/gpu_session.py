@@ -22,8 +22,8 @@ call cut short keeps what was done; the exit code is non-zero if any step failed
    (more than one launch's grid holds: they run in chunks), a CUDA-graph capture on a side
    stream (fails if a kernel leaves torch's current stream or the host synchronises), and a
    tuned record's choices carried over to the kernels for any size of the demo layer, forward
-   and backward, against torchvision at two other sizes (``check_carried_records``: the
-   tuning logs a round brings are run so);
+   and backward (and each fused structure's forward), against torchvision at two other sizes
+   (``check_carried_records``: the tuning logs a round brings are run so);
 5. time: per workload and dtype, the median of CUDA-event timings of torchvision (where it has
    a kernel: not bfloat16), our default kernel (for any size) and tuned kernels (through their
    handles), the public ``deform_conv2d`` as users call it, the fused structure (the columns
@@ -216,8 +216,9 @@ def check_carried_records(device: str, name: str = "demo_64x56x56") -> list[dict
     any size, with the record's choices), on ``device``: for the forward and the backward of
     ``name``, the first design space's schedule of the layer's own size with every choice
     moved one candidate from the rule's own, derived for any size and run at two other sizes
-    against torchvision's op (float32). The emulated tests check such kernels' arithmetic on a
-    CPU, not their thread bindings; a record that does not derive fails the step."""
+    against torchvision's op (float32); on a GPU also a forward record of each fused
+    structure (``FUSED_SPACES``). The emulated tests check such kernels' arithmetic on a CPU,
+    not their thread bindings; a record that does not derive fails the step."""
     import torchvision.ops
 
     from tvm_deform.runtime import calls
@@ -229,8 +230,11 @@ def check_carried_records(device: str, name: str = "demo_64x56x56") -> list[dict
         dataclasses.replace(shape, batch=2, height=h, width=w) for h, w in ((53, 61), (60, 47))
     ]
     rows = []
-    for op in ("forward", "backward"):
-        record = _moved_record(shape, target, op)
+    cases = [("forward", None), ("backward", None)]
+    if target.kind.name == "cuda":
+        cases += [("forward", space) for space in FUSED_SPACES]
+    for op, space in cases:
+        record = _moved_record(shape, target, op, space)
         fell_back: list[str] = []
         if op == "backward":
             quantum = schedules.backward_pixel_quantum(shape, target)
@@ -266,6 +270,7 @@ def check_carried_records(device: str, name: str = "demo_64x56x56") -> list[dict
             rows.append(
                 {
                     "op": op,
+                    "space": space or "first",
                     "size": f"{size.batch}x{size.height}x{size.width}",
                     "errors": errors,
                     "fell_back": fell_back,
@@ -275,16 +280,24 @@ def check_carried_records(device: str, name: str = "demo_64x56x56") -> list[dict
     return rows
 
 
-def _moved_record(shape: ConvShape, target, op: str):
-    """A record of ``shape``'s ``op``: its first design space on ``target`` with every sampled
-    choice moved one candidate back from the rule's own (or to the last)."""
+#: the fused structures' rules, whose records the GPU session carries over to the kernels for
+#: any size beside the first design space's (their output-channel tiles bound apart from the
+#: pixel tiles, so that TVM bounds the staged columns for any size)
+FUSED_SPACES = ("OnePassCUDA", "SplitReductionCUDA")
+
+
+def _moved_record(shape: ConvShape, target, op: str, rule: str | None = None):
+    """A record of ``shape``'s ``op``: its first design space on ``target`` (of the rule named
+    ``rule``, where given) with every sampled choice moved one candidate back from the rule's
+    own (or to the last)."""
     from tvm import s_tir
     from tvm.s_tir import meta_schedule as ms
 
     from tvm_deform.runtime import records
 
     mod = records.workload_module(shape, op)
-    space = schedules.design_spaces(op, mod["main"], target)[0]
+    spaces = schedules.named_design_spaces(op, mod["main"], target)
+    space = next(sch for name, sch in spaces if rule in (None, name))
     decisions = {
         inst: (int(decision) - 1) % len(inst.attrs[0])
         for inst, decision in space.trace.decisions.items()

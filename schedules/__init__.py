@@ -227,10 +227,9 @@ def replayed_any_size_schedule(
     then takes that tile (on a Zen 4, a column-tile record tuned with a tile of 16 ran
     0.92-0.97x the default's time so, 1.01-1.05x with the default's tile of 32)."""
     layer = shape.any_size()
-    func = _any_size_definition(layer, target, "NCHW", min_pixels)
     matched = _match("forward", tuned, target, trace)
     if matched is None:
-        return replay(func, trace)
+        return replay(_any_size_definition(layer, target, "NCHW", min_pixels), trace)
     rule, variant, values = matched
     tile = values[0] if values and target.kind.name == "llvm" else None
     if isinstance(tile, int) and tile != any_size_quantum(layer, target, min_pixels):
@@ -238,6 +237,7 @@ def replayed_any_size_schedule(
         derived = _answer(rule, variant, values, padded, target)
         if derived is not None and derived[1][:1] == [tile]:
             return derived[0]
+    func = _any_size_definition(layer, target, "NCHW", min_pixels)
     derived = _answer(rule, variant, values, func, target)
     return derived[0] if derived is not None else replay(func, trace)
 
