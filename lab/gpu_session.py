@@ -297,7 +297,9 @@ def _moved_record(shape: ConvShape, target, op: str, rule: str | None = None):
 
     mod = records.workload_module(shape, op)
     spaces = schedules.named_design_spaces(op, mod["main"], target)
-    space = next(sch for name, sch in spaces if rule in (None, name))
+    space = next((sch for name, sch in spaces if rule in (None, name)), None)
+    if space is None:
+        raise ValueError(f"{rule or 'no rule'} has no design space of {op} for {shape}")
     decisions = {
         inst: (int(decision) - 1) % len(inst.attrs[0])
         for inst, decision in space.trace.decisions.items()

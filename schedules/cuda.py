@@ -172,12 +172,12 @@ class OnePassCUDA(Rule):
     def _bind_tile(self, sch: s_tir.Schedule, part: list, n, o_outer, p_outer) -> None:
         """Bind the loops over a GEMM's output tiles (and the parts of a split reduction) to
         the thread blocks: the pixel tiles along ``blockIdx.x``, the output-channel tiles
-        (with the parts) along ``y``, the images along ``z``, the order in which one axis
-        fused along ``x`` would run them. With symbolic sizes (a kernel for any size) no
-        index then divides by the pixel tiles' count: a fused axis gave the channel tile's
-        group as ``x % (2 * t) // (2 * t)``, which TVM could not bound, and it staged every
-        input channel's columns for each chunk (148 KiB of shared memory, past the 48 KiB
-        a kernel may declare)."""
+        (with the parts) along ``y``, the images along ``z`` (the runtime launches at most
+        65535 images at once). With symbolic sizes (a kernel for any size) no index then
+        divides by the pixel tiles' count: one fused axis gave the channel tile's group as
+        ``x % (2 * t) // (2 * t)`` (``t`` the pixel tiles' count), zero, but not to TVM,
+        which does not know ``t`` to be positive; it staged every input channel's columns
+        for each chunk (148 KiB of shared memory, past the 48 KiB a kernel may declare)."""
         if part:
             sch.reorder(*part, o_outer, n)
             o_outer = sch.fuse(*part, o_outer)

@@ -109,8 +109,8 @@ def test_every_forward_structure_for_any_size_builds_to_machine_code():
     """Each CUDA forward rule's own schedule for any size (one per size class), the fused
     structures' too, builds with nvcc for sm_90 without spills, its shared memory within the
     rule's budget (of each stage, for a pipelined one): a 64-channel layer (the one-pass
-    structures), the 512-channel 10x10 one (the split ones) and one of four groups of 16
-    outputs. (With the output-channel tiles fused into the pixel tiles' axis, TVM could not
+    structures), the 512-channel 10x10 one (the split ones) and one of 16 outputs in four
+    groups. (With the output-channel tiles fused into the pixel tiles' axis, TVM could not
     bound a tile's group for any size and the fused structures staged every channel's
     columns: 148 KiB.)"""
     import concurrent.futures
