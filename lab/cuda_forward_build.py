@@ -27,7 +27,8 @@ from tvm_deform.tools.suite import load_suite
 
 def schedules_of(name: str, shape: definition.ConvShape, target) -> list[tuple]:
     """(layer, sizes, rule, schedule) of every rule that takes ``shape``'s forward on
-    ``target``: for its size, and for any size of its layer in each size class."""
+    ``target``: for its size, and for any size of its layer in each size class (the
+    tensor-core GEMM's on its own PrimFunc and classes)."""
     funcs = [("one size", definition.forward(shape))]
     layer = shape.any_size()
     for pixels in schedules.pixel_classes(shape, target):
@@ -39,6 +40,16 @@ def schedules_of(name: str, shape: definition.ConvShape, target) -> list[tuple]:
             sch = rule.apply(func, target)
             if sch is not None:
                 found.append((name, sizes, repr(rule), sch))
+    # The tensor-core GEMM multiplies columns rounded to the layer's half dtype: a PrimFunc of
+    # its own, and size classes of its own.
+    tensor_cores = [("one size", None)]
+    if schedules.tensor_cores_take(shape, target, any_size=True):
+        classes = schedules.tensor_core_pixel_classes(shape, target)
+        tensor_cores += [(f"any size from {pixels} px", pixels) for pixels in classes]
+    for sizes, pixels in tensor_cores:
+        sch = schedules.tensor_core_schedule(shape, target, min_pixels=pixels)
+        if sch is not None:
+            found.append((name, sizes, "SampleOnceTensorCoreCUDA", sch))
     return found
 
 
