@@ -92,6 +92,13 @@ TENSOR_CORES = "tensor cores (SampleOnceTensorCoreCUDA)"
 TENSOR_CORES_ANY_SIZE = "tensor cores, any size (SampleOnceTensorCoreCUDA)"
 WIDE = "wide tile (WideTileCUDA)"
 PIPELINED = "pipelined (PipelinedCUDA)"
+#: ptxas's own register-usage level (its default), against the 10 of TVM's compile, which every
+#: other kernel is built at: the fused structure and the default's kernel for one size built
+#: at it, to tell which level the package should build at (at 10, ptxas gives the fused
+#: structure's GEMM 168 registers, at 5 it gives it 64; the default's, 80 and 64-71 on sm_90)
+PTXAS_LEVEL = 5
+FUSED_AT_LEVEL = f"fused, ptxas level {PTXAS_LEVEL}"
+ONE_SIZE_AT_LEVEL = f"one size, ptxas level {PTXAS_LEVEL}"
 #: our kernels that dispatch may run, timed through their handles: the speed-ups take the best
 KERNELS = ("tvm_deform default", "tvm_deform tuned")
 #: the label of the rows that time the public ``deform_conv2d``, as users call it (argument
@@ -398,6 +405,13 @@ def time_layers(
                     variants[ONE_SIZE] = lambda typed=typed, args=args: _runner(
                         typed, _one_size_kernel(typed, target), args
                     )
+                if times_register_level(typed, target):
+                    variants[FUSED_AT_LEVEL] = lambda typed=typed, args=args: _runner(
+                        typed, _at_ptxas_level(_fused_kernel, typed, target), args
+                    )
+                    variants[ONE_SIZE_AT_LEVEL] = lambda typed=typed, args=args: _runner(
+                        typed, _at_ptxas_level(_one_size_kernel, typed, target), args
+                    )
                 if times_wide_tile(typed, target):
                     variants[WIDE] = lambda typed=typed, args=args: _runner(
                         typed, _wide_tile_kernel(typed, target), args
@@ -471,6 +485,28 @@ def _one_size_kernel(shape: ConvShape, target) -> kernels.Kernel:
     """The default schedule's kernel for this layer's size alone (dispatch runs the one for any
     size): the timing that tells what generality costs."""
     return kernels.load_kernel(shape, target)
+
+
+def times_register_level(shape: ConvShape, target) -> bool:
+    """Whether the session times the fused structure and the default's kernel for one size
+    built at ptxas's register-usage level :data:`PTXAS_LEVEL` too: float32 layers on a GPU."""
+    return compares_structures(target) and shape.dtype == "float32"
+
+
+def _at_ptxas_level(kernel: Callable, shape: ConvShape, target) -> kernels.Kernel:
+    """``kernel(shape, target)`` built (or found in the kernel cache, whose key holds the
+    level) at ptxas's register-usage level :data:`PTXAS_LEVEL`."""
+    import os
+
+    before = os.environ.get("TVM_CUDA_PTXAS_REG_LEVEL")
+    os.environ["TVM_CUDA_PTXAS_REG_LEVEL"] = str(PTXAS_LEVEL)
+    try:
+        return kernel(shape, target)
+    finally:
+        if before is None:
+            del os.environ["TVM_CUDA_PTXAS_REG_LEVEL"]
+        else:
+            os.environ["TVM_CUDA_PTXAS_REG_LEVEL"] = before
 
 
 def times_wide_tile(shape: ConvShape, target) -> bool:
@@ -555,9 +591,10 @@ def markdown(rows: list[dict]) -> str:
     where an implementation has no time: torchvision in a dtype it lacks, or a failure)."""
     lines = [
         "| layer | dtype | torchvision ms | ours default ms | ours tuned ms | public op ms "
-        "| fused ms | one size ms | wide tile ms | pipelined ms | tensor cores ms "
-        "| tensor cores, any size ms | conv2d ms | speed-up (best) | best / conv2d | error |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| fused ms | one size ms | {FUSED_AT_LEVEL} ms | {ONE_SIZE_AT_LEVEL} ms | wide tile ms "
+        "| pipelined ms | tensor cores ms | tensor cores, any size ms | conv2d ms "
+        "| speed-up (best) | best / conv2d | error |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     grouped: dict[tuple[str, str], dict[str, dict]] = {}
     for row in rows:
@@ -571,6 +608,7 @@ def markdown(rows: list[dict]) -> str:
             f"| {layer} | {dtype} | {_ms(found, 'torchvision')} "
             f"| {_ms(found, 'tvm_deform default')} | {_ms(found, 'tvm_deform tuned')} "
             f"| {_ms(found, PUBLIC_OP)} | {_ms(found, FUSED)} | {_ms(found, ONE_SIZE)} "
+            f"| {_ms(found, FUSED_AT_LEVEL)} | {_ms(found, ONE_SIZE_AT_LEVEL)} "
             f"| {_ms(found, WIDE)} | {_ms(found, PIPELINED)} | {_ms(found, TENSOR_CORES)} "
             f"| {_ms(found, TENSOR_CORES_ANY_SIZE)} | {_ms(found, 'conv2d (dense)')} "
             f"| {_ratio(found, 'torchvision', best)} "
@@ -1122,6 +1160,9 @@ def _build_one(shape: ConvShape, device: str) -> None:
         _one_size_kernel(shape, target)
         with contextlib.suppress(Exception):
             _pipelined_kernel(shape, target)
+    if times_register_level(shape, target):
+        _at_ptxas_level(_fused_kernel, shape, target)
+        _at_ptxas_level(_one_size_kernel, shape, target)
     if times_wide_tile(shape, target):
         # A design space that does not build is the timing row's result, not the session's end.
         with contextlib.suppress(Exception):

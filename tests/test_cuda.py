@@ -79,6 +79,40 @@ def test_suite_builds_to_machine_code(name, arch):
 
 
 @needs_nvcc
+@pytest.mark.parametrize("level", [None, "5"])
+def test_offline_build_makes_the_machine_code_tvm_compiles(level, monkeypatch):
+    """The offline build (what the static checks read and the tuning rounds time) gives nvcc
+    the options of TVM's own CUDA compile: the same cubin, byte for byte, at TVM's
+    register-usage level and at another one set in the environment."""
+    from tvm.support import nvcc
+
+    if level is not None:
+        monkeypatch.setenv("TVM_CUDA_PTXAS_REG_LEVEL", level)
+    source = cuda_build.cuda_source(SUITE["demo_64x56x56"], "sm_90")
+    with targets.cuda_target("sm_90"):
+        compiled = bytes(nvcc.compile_cuda(source, "cubin", arch="sm_90", compiler="nvcc"))
+    assert cuda_build.nvcc_build(source, "sm_90").cubin == compiled
+    assert f"--register-usage-level={level or 10}" in " ".join(targets.nvcc_options())
+
+
+def test_kernels_built_with_other_compile_settings_are_other_cache_entries(monkeypatch):
+    """A CUDA kernel built at another register-usage level (or without fast math) is another
+    entry of the kernel cache and another timed decision; CPU kernels' keys do not change."""
+    from tvm_deform.runtime import dispatch
+
+    layer, gpu, cpu = SUITE["demo_64x56x56"], targets.cuda_target("sm_90"), targets.host_target()
+    monkeypatch.delenv("TVM_CUDA_PTXAS_REG_LEVEL", raising=False)
+    before = [kernels.cache_path(layer, t) for t in (gpu, cpu)]
+    decided = dispatch._digest(layer, gpu, "forward", {})
+    monkeypatch.setenv("TVM_CUDA_PTXAS_REG_LEVEL", "5")
+    assert kernels.cache_path(layer, gpu) != before[0]
+    assert kernels.cache_path(layer, cpu) == before[1]
+    assert dispatch._digest(layer, gpu, "forward", {}) != decided
+    monkeypatch.setenv("TVM_CUDA_NVCC_NO_FAST_MATH", "1")
+    assert len({kernels.cache_path(layer, gpu), *before}) == 3
+
+
+@needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_kernels_for_any_size_build_to_machine_code(arch):
     """Every suite layer's CUDA kernels for any size (one per size class) build with nvcc:

@@ -175,9 +175,10 @@ def test_gpu_session_keeps_timing_when_an_implementation_fails(monkeypatch):
 
 def test_gpu_session_times_the_schedules_dispatch_does_not_pick(monkeypatch):
     # Beside our kernels, the session times the public op as users call it; on a GPU the fused
-    # structure and the kernel for the layer's size alone; where tensor cores take a layer, the
-    # tensor-core schedule (the last three stood for here by the CPU's default kernel). Each
-    # has a column of its own, which the speed-up over torchvision leaves out.
+    # structure and the kernel for the layer's size alone (also built at ptxas's own
+    # register-usage level); where tensor cores take a layer, the tensor-core schedule (all
+    # stood for here by the CPU's default kernel). Each has a column of its own, which the
+    # speed-up over torchvision leaves out.
     from tvm_deform.runtime import kernels
 
     def cpu_kernel(shape, target):
@@ -192,6 +193,7 @@ def test_gpu_session_times_the_schedules_dispatch_does_not_pick(monkeypatch):
     monkeypatch.setattr(gpu_session, "_tensor_core_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "_tensor_core_any_size_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "times_wide_tile", lambda shape, target: True)
+    monkeypatch.setattr(gpu_session, "times_register_level", lambda shape, target: True)
     monkeypatch.setattr(gpu_session, "_wide_tile_kernel", cpu_kernel)
     rows = gpu_session.time_layers({"seed": SUITE["seed"]}, "cpu", runs=3)
     by_name = {r["implementation"]: r for r in rows}
@@ -201,18 +203,22 @@ def test_gpu_session_times_the_schedules_dispatch_does_not_pick(monkeypatch):
         (gpu_session.PUBLIC_OP, 6),
         (gpu_session.FUSED, 7),
         (gpu_session.ONE_SIZE, 8),
-        (gpu_session.WIDE, 9),
-        (gpu_session.PIPELINED, 10),
-        (gpu_session.TENSOR_CORES, 11),
-        (gpu_session.TENSOR_CORES_ANY_SIZE, 12),
+        (gpu_session.FUSED_AT_LEVEL, 9),
+        (gpu_session.ONE_SIZE_AT_LEVEL, 10),
+        (gpu_session.WIDE, 11),
+        (gpu_session.PIPELINED, 12),
+        (gpu_session.TENSOR_CORES, 13),
+        (gpu_session.TENSOR_CORES_ANY_SIZE, 14),
     )
     for label, column in columns:
         assert by_name[label]["median_ms"] > 0 and by_name[label]["error"] < 1e-6
         assert line.split("|")[column].strip() == f"{by_name[label]['median_ms']:.3f}"
-    assert [header.split("|")[c].strip() for c in range(6, 14)] == [
+    assert [header.split("|")[c].strip() for c in range(6, 16)] == [
         "public op ms",
         "fused ms",
         "one size ms",
+        "fused, ptxas level 5 ms",
+        "one size, ptxas level 5 ms",
         "wide tile ms",
         "pipelined ms",
         "tensor cores ms",
@@ -248,6 +254,7 @@ def test_gpu_session_builds_the_extra_schedules_before_timing(monkeypatch):
     monkeypatch.setattr(gpu_session, "_tensor_core_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "_tensor_core_any_size_kernel", cpu_kernel)
     monkeypatch.setattr(gpu_session, "times_wide_tile", lambda shape, target: True)
+    monkeypatch.setattr(gpu_session, "times_register_level", lambda shape, target: True)
     monkeypatch.setattr(gpu_session, "_wide_tile_kernel", cpu_kernel)
     kernels.clear_memory_cache()
     gpu_session._build_one(SUITE["seed"], "cpu")
@@ -262,6 +269,8 @@ def test_gpu_session_builds_the_extra_schedules_before_timing(monkeypatch):
     for label in (
         "tvm_deform default",
         gpu_session.FUSED,
+        gpu_session.FUSED_AT_LEVEL,
+        gpu_session.ONE_SIZE_AT_LEVEL,
         gpu_session.WIDE,
         gpu_session.PIPELINED,
         gpu_session.TENSOR_CORES,
@@ -383,6 +392,26 @@ def test_the_session_times_the_wide_tile_on_float32_gpu_layers_it_takes():
     assert not gpu_session.times_wide_tile(dataclasses.replace(demo, dtype="float16"), gpu)
     assert not gpu_session.times_wide_tile(SUITE["depthwise_128x56x56"], gpu)
     assert not gpu_session.times_wide_tile(demo, cpu)
+
+
+def test_the_session_times_float32_gpu_kernels_at_ptxas_own_register_level(monkeypatch):
+    """The fused structure and the default's kernel for one size are also built at ptxas's
+    own register-usage level (float32, on a GPU), for that build alone."""
+    import dataclasses
+
+    from tvm_deform.runtime import targets
+
+    gpu, cpu = targets.cuda_target("sm_90", 132), targets.host_target()
+    demo = SUITE["demo_64x56x56"]
+    assert gpu_session.times_register_level(demo, gpu)
+    assert not gpu_session.times_register_level(dataclasses.replace(demo, dtype="float16"), gpu)
+    assert not gpu_session.times_register_level(demo, cpu)
+    monkeypatch.setenv("TVM_CUDA_PTXAS_REG_LEVEL", "7")
+    seen = gpu_session._at_ptxas_level(
+        lambda shape, target: targets.compile_settings(target), demo, gpu
+    )
+    assert f"TVM_CUDA_PTXAS_REG_LEVEL={gpu_session.PTXAS_LEVEL} " in seen
+    assert os.environ["TVM_CUDA_PTXAS_REG_LEVEL"] == "7"
 
 
 def test_per_call_times_every_route(capsys):

@@ -66,6 +66,7 @@ def _digest(shape: ConvShape, target: Target, op: str, options: dict) -> str:
             __version__,
             kernels.tvm.__version__,
             kernels.source_digest(),
+            *filter(None, [targets.compile_settings(target)]),
             *sorted(f"{name}={'' if r is None else r.identity}" for name, r in options.items()),
         ]
     )

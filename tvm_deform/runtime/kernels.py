@@ -40,6 +40,7 @@ from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import diskcache, hardware, launcher, records, workspace
 from tvm_deform.runtime.targets import (
     CUDA_COMPILE_CONFIG,
+    compile_settings,
     compiling,
     hardware_key,
     host_target,
@@ -103,6 +104,9 @@ def cache_path(
             f"pool {pool}",
         )
     )
+    settings = compile_settings(target)  # on CUDA: ptxas's register level, fast math
+    if settings:
+        text += f"\n{settings}"
     if op != "forward":
         text += f"\n{op}"
     name = hashlib.sha256(text.encode()).hexdigest()[:32]

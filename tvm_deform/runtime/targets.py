@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import os
 from collections.abc import Iterator
 
 # TVM's thread variables are set by tvm_deform.env, which the package's __init__ imports before
@@ -67,6 +68,53 @@ def codegen_target(target: Target) -> Target:
 #: pipelines asynchronously become ``cp.async`` (sm_80 and later; a schedule marks them only
 #: there); no other kernel's code changes
 CUDA_COMPILE_CONFIG = {"tirx.use_async_copy": True}
+
+
+#: the environment variables that change the machine code TVM's CUDA compile callback
+#: (``tvm.support.nvcc``) makes of a kernel's source: the compiler (NVRTC by default, or nvcc),
+#: ptxas's register-usage level (10 by default, where ptxas's own is 5) and other ptxas
+#: options, and fast math (on by default)
+CUDA_COMPILE_SETTINGS = (
+    "TVM_CUDA_COMPILE_MODE",
+    "TVM_CUDA_PTXAS_REG_LEVEL",
+    "TVM_CUDA_PTXAS_EXTRA_OPTS",
+    "TVM_CUDA_NVCC_NO_FAST_MATH",
+    "TVM_CUDA_NVRTC_EXTRA_OPTS",
+)
+
+
+def compile_settings(target: Target) -> str:
+    """The settings of :data:`CUDA_COMPILE_SETTINGS` as the environment has them now, for a
+    CUDA ``target`` (empty for any other): part of a compiled kernel's identity, so that a
+    kernel built at another register-usage level is not taken for this one."""
+    if target.kind.name != "cuda":
+        return ""
+    return " ".join(f"{name}={os.environ.get(name, '')}" for name in CUDA_COMPILE_SETTINGS)
+
+
+def nvcc_options() -> list[str]:
+    """The options TVM's CUDA compile callback gives nvcc (its ``TVM_CUDA_COMPILE_MODE=nvcc``;
+    NVRTC, its default, gets the same ptxas options and fast math), with the environment's
+    settings now (:data:`CUDA_COMPILE_SETTINGS`): ``-O3``, fast math, and ptxas at
+    register-usage level 10 with ``-v`` (its report of each kernel's registers, shared memory
+    and spills). An offline build with them makes the machine code the runtime loads."""
+    # Registers the callback; its ptxas options are read from the environment at each compile.
+    from tvm.support import nvcc
+
+    fast_math = [] if os.environ.get("TVM_CUDA_NVCC_NO_FAST_MATH") else ["--use_fast_math"]
+    return [
+        "-O3",
+        "-U__CUDA_NO_HALF_OPERATORS__",
+        "-U__CUDA_NO_HALF_CONVERSIONS__",
+        "-U__CUDA_NO_BFLOAT16_OPERATORS__",
+        "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+        "-U__CUDA_NO_BFLOAT162_OPERATORS__",
+        "-U__CUDA_NO_BFLOAT162_CONVERSIONS__",
+        "--expt-relaxed-constexpr",
+        "--expt-extended-lambda",
+        *fast_math,
+        f"--ptxas-options={','.join(nvcc._ptxas_option_flags())}",
+    ]
 
 
 @contextlib.contextmanager

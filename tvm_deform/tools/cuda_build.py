@@ -15,7 +15,7 @@ from tvm_deform import schedules
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import records
 from tvm_deform.runtime.kernels import compile_kernel, compile_schedule
-from tvm_deform.runtime.targets import cuda_target
+from tvm_deform.runtime.targets import cuda_target, nvcc_options
 
 if TYPE_CHECKING:
     from tvm import s_tir
@@ -85,8 +85,10 @@ class CudaBuild:
 
 
 def nvcc_build(source: str, arch: str, nvcc: str = "nvcc") -> CudaBuild:
-    """Compile ``source`` for ``arch`` with the installed nvcc into a cubin (``-O3``), keeping
-    ptxas's per-kernel report. Raises RuntimeError with nvcc's messages when it fails."""
+    """Compile ``source`` for ``arch`` with the installed nvcc into a cubin, with the options
+    the runtime's compile uses (:func:`~tvm_deform.runtime.targets.nvcc_options`: fast math,
+    ptxas's register-usage level), keeping ptxas's per-kernel report. Raises RuntimeError with
+    nvcc's messages when it fails."""
     import re
     import subprocess
 
@@ -94,7 +96,7 @@ def nvcc_build(source: str, arch: str, nvcc: str = "nvcc") -> CudaBuild:
         cu, cubin = Path(directory) / "kernels.cu", Path(directory) / "kernels.cubin"
         cu.write_text(source)
         result = subprocess.run(
-            [nvcc, "--cubin", f"-arch={arch}", "-O3", "-Xptxas=-v", "-o", str(cubin), str(cu)],
+            [nvcc, "--cubin", f"-arch={arch}", *nvcc_options(), "-o", str(cubin), str(cu)],
             capture_output=True,
             text=True,
         )
@@ -114,7 +116,8 @@ def nvcc_build(source: str, arch: str, nvcc: str = "nvcc") -> CudaBuild:
 
 
 def nvcc_ptx(source: str, arch: str, nvcc: str = "nvcc") -> str:
-    """The PTX that nvcc makes of ``source`` for ``arch`` (``-O3``): what the kernels ask of the
+    """The PTX that nvcc makes of ``source`` for ``arch`` (the runtime's options, as
+    :func:`nvcc_build`): what the kernels ask of the
     hardware, tensor-core instructions (``wmma.mma.sync``) included. Raises RuntimeError with
     nvcc's messages when it fails."""
     import subprocess
@@ -123,7 +126,7 @@ def nvcc_ptx(source: str, arch: str, nvcc: str = "nvcc") -> str:
         cu, ptx = Path(directory) / "kernels.cu", Path(directory) / "kernels.ptx"
         cu.write_text(source)
         result = subprocess.run(
-            [nvcc, "--ptx", f"-arch={arch}", "-O3", "-o", str(ptx), str(cu)],
+            [nvcc, "--ptx", f"-arch={arch}", *nvcc_options(), "-o", str(ptx), str(cu)],
             capture_output=True,
             text=True,
         )
