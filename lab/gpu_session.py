@@ -27,7 +27,8 @@ call cut short keeps what was done; the exit code is non-zero if any step failed
 5. time: per workload and dtype, the median of CUDA-event timings of torchvision (where it has
    a kernel: not bfloat16), our default kernel (for any size) and tuned kernels (through their
    handles), the public ``deform_conv2d`` as users call it, the fused structure (the columns
-   sampled per output tile), the default's kernel for the layer's size alone, the wide tile
+   sampled per output tile), the default's kernel for the layer's size alone (both also built
+   at ptxas's own register-usage level, 5, in float32: TVM builds at 10), the wide tile
    (``WideTileCUDA``, 8 x 8 register blocks) of float32 layers it takes, the default's
    structure with its copies pipelined (``PipelinedCUDA``), the tensor-core
    schedule of float16 and bfloat16 layers it takes (its kernel for this size, and the one for
