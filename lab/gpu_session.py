@@ -95,8 +95,9 @@ WIDE = "wide tile (WideTileCUDA)"
 PIPELINED = "pipelined (PipelinedCUDA)"
 #: ptxas's own register-usage level (its default), against the 10 of TVM's compile, which every
 #: other kernel is built at: the fused structure and the default's kernel for one size built
-#: at it, to tell which level the package should build at (at 10, ptxas gives the fused
-#: structure's GEMM 168 registers, at 5 it gives it 64; the default's, 80 and 64-71 on sm_90)
+#: at it, to tell which level the package should build at (on sm_90, ptxas gives the split
+#: fused GEMM of the float32 layers 168 registers at 10, at most 56 at 5; the default's GEMM of
+#: the 64-channel demo layer 80 and 71)
 PTXAS_LEVEL = 5
 FUSED_AT_LEVEL = f"fused, ptxas level {PTXAS_LEVEL}"
 ONE_SIZE_AT_LEVEL = f"one size, ptxas level {PTXAS_LEVEL}"

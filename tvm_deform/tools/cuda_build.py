@@ -117,9 +117,8 @@ def nvcc_build(source: str, arch: str, nvcc: str = "nvcc") -> CudaBuild:
 
 def nvcc_ptx(source: str, arch: str, nvcc: str = "nvcc") -> str:
     """The PTX that nvcc makes of ``source`` for ``arch`` (the runtime's options, as
-    :func:`nvcc_build`): what the kernels ask of the
-    hardware, tensor-core instructions (``wmma.mma.sync``) included. Raises RuntimeError with
-    nvcc's messages when it fails."""
+    :func:`nvcc_build`): what the kernels ask of the hardware, tensor-core instructions
+    (``wmma.mma.sync``) included. Raises RuntimeError with nvcc's messages when it fails."""
     import subprocess
 
     with tempfile.TemporaryDirectory() as directory:
