@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -187,7 +188,7 @@ def test_a_backward_round_checks_every_gradient_and_ships_its_records(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-def test_a_cuda_round_holds_cubins_and_the_launches_that_run_them(tmp_path, capsys):
+def test_a_cuda_round_holds_cubins_and_the_launches_that_run_them(tmp_path, capsys, monkeypatch):
     layer = ConvShape(1, 64, 10, 10, 64, 3, 3, pad_h=1, pad_w=1, has_bias=True)
     argv = ["tune-round", "--shape", json.dumps(dataclasses.asdict(layer))]
     argv += ["--arch", "sm_90", "--multiprocessors", "132", "--count", "4"]
@@ -227,6 +228,16 @@ def test_a_cuda_round_holds_cubins_and_the_launches_that_run_them(tmp_path, caps
         outputs = {n for n in names if n == "output" or n.startswith("grad_")}
         assert outputs <= written
     assert forward["candidates"][0]["launches"][-1]["args"].count("output") == 1
+    # Times of kernels built at another register-usage level than kernels build here now
+    # would be of other machine code: ingesting them warns.
+    (tmp_path / "times.jsonl").write_text("")
+    round_file, work = tmp_path / "round" / rounds.ROUND_FILE, tmp_path / "work"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rounds.ingest(round_file, tmp_path / "times.jsonl", work)
+    monkeypatch.setenv("TVM_CUDA_PTXAS_REG_LEVEL", "5")
+    with pytest.warns(RuntimeWarning, match="TVM_CUDA_PTXAS_REG_LEVEL=5"):
+        rounds.ingest(round_file, tmp_path / "times.jsonl", work)
 
 
 @pytest.mark.parametrize(

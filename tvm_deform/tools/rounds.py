@@ -213,6 +213,8 @@ def propose(
         "target": json.loads(str(target)),
         "kind": target.kind.name,
         "hardware_key": key,
+        # the machine code depends on them (ptxas's register-usage level): ingest checks them
+        "compile_settings": targets.compile_settings(target),
         "ranked_by_model": trained,
         "workloads": {},
     }
@@ -476,6 +478,15 @@ def ingest(
     round_file, work_dir = Path(round_file), Path(work_dir)
     description = json.loads(round_file.read_text())
     target = Target(description["target"])
+    built_with, here = description.get("compile_settings", ""), targets.compile_settings(target)
+    if built_with != here:
+        warnings.warn(
+            f"the round was built with {built_with or 'nvcc defaults (an older round)'}, where "
+            f"kernels compile here with {here}: its times are of other machine code than "
+            "the records' kernels will be",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     times: dict[tuple[str, int], list[float] | None] = {}
     devices: dict[str, str] = {}
     for line in Path(results_file).read_text().splitlines():
