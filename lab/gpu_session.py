@@ -506,7 +506,7 @@ def _at_ptxas_level(kernel: Callable, shape: ConvShape, target) -> kernels.Kerne
         return kernel(shape, target)
     finally:
         if before is None:
-            del os.environ["TVM_CUDA_PTXAS_REG_LEVEL"]
+            os.environ.pop("TVM_CUDA_PTXAS_REG_LEVEL", None)
         else:
             os.environ["TVM_CUDA_PTXAS_REG_LEVEL"] = before
 

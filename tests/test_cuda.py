@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -86,7 +88,11 @@ def test_offline_build_makes_the_machine_code_tvm_compiles(level, monkeypatch):
     register-usage level and at another one set in the environment."""
     from tvm.support import nvcc
 
-    if level is not None:
+    monkeypatch.delenv("TVM_CUDA_NVCC_NO_FAST_MATH", raising=False)
+    monkeypatch.delenv("TVM_CUDA_PTXAS_EXTRA_OPTS", raising=False)
+    if level is None:
+        monkeypatch.delenv("TVM_CUDA_PTXAS_REG_LEVEL", raising=False)
+    else:
         monkeypatch.setenv("TVM_CUDA_PTXAS_REG_LEVEL", level)
     source = cuda_build.cuda_source(SUITE["demo_64x56x56"], "sm_90")
     with targets.cuda_target("sm_90"):
@@ -95,21 +101,46 @@ def test_offline_build_makes_the_machine_code_tvm_compiles(level, monkeypatch):
     assert f"--register-usage-level={level or 10}" in " ".join(targets.nvcc_options())
 
 
+@needs_nvcc
+@pytest.mark.parametrize("chosen", [None, "nvrtc"])
+def test_kernels_compile_with_nvcc_where_it_is_installed(chosen):
+    """Importing the package makes nvcc TVM's CUDA compiler where it is installed (the offline
+    builds' and the GPU runs' compiler), unless the user chose one."""
+    env = {k: v for k, v in os.environ.items() if k != "TVM_CUDA_COMPILE_MODE"}
+    if chosen:
+        env["TVM_CUDA_COMPILE_MODE"] = chosen
+    script = "import os, tvm_deform; print(os.environ['TVM_CUDA_COMPILE_MODE'])"
+    found = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    )
+    assert found.stdout.strip() == (chosen or "nvcc")
+
+
 def test_kernels_built_with_other_compile_settings_are_other_cache_entries(monkeypatch):
-    """A CUDA kernel built at another register-usage level (or without fast math) is another
-    entry of the kernel cache and another timed decision; CPU kernels' keys do not change."""
+    """A CUDA kernel built at another register-usage level, without fast math or by the other
+    compiler is another entry of the kernel cache and another timed decision (a setting left
+    at its default is the same one); CPU kernels' keys do not change."""
     from tvm_deform.runtime import dispatch
 
     layer, gpu, cpu = SUITE["demo_64x56x56"], targets.cuda_target("sm_90"), targets.host_target()
-    monkeypatch.delenv("TVM_CUDA_PTXAS_REG_LEVEL", raising=False)
+    for name in targets.CUDA_COMPILE_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TVM_CUDA_COMPILE_MODE", "nvcc")
     before = [kernels.cache_path(layer, t) for t in (gpu, cpu)]
     decided = dispatch._digest(layer, gpu, "forward", {})
-    monkeypatch.setenv("TVM_CUDA_PTXAS_REG_LEVEL", "5")
-    assert kernels.cache_path(layer, gpu) != before[0]
-    assert kernels.cache_path(layer, cpu) == before[1]
+    monkeypatch.setenv("TVM_CUDA_PTXAS_REG_LEVEL", "10")  # TVM's default
+    assert kernels.cache_path(layer, gpu) == before[0]
+    paths = {}
+    for name, value in (
+        ("TVM_CUDA_PTXAS_REG_LEVEL", "5"),
+        ("TVM_CUDA_NVCC_NO_FAST_MATH", "1"),
+        ("TVM_CUDA_COMPILE_MODE", "NVRTC"),
+    ):
+        monkeypatch.setenv(name, value)
+        paths[name] = kernels.cache_path(layer, gpu)
+        assert kernels.cache_path(layer, cpu) == before[1]
     assert dispatch._digest(layer, gpu, "forward", {}) != decided
-    monkeypatch.setenv("TVM_CUDA_NVCC_NO_FAST_MATH", "1")
-    assert len({kernels.cache_path(layer, gpu), *before}) == 3
+    assert len({*paths.values(), before[0]}) == 4
 
 
 @needs_nvcc

@@ -239,13 +239,17 @@ def test_gpu_session_builds_the_extra_schedules_before_timing(monkeypatch):
     from tvm_deform.ir import definition
     from tvm_deform.runtime import kernels
 
+    levels = []  # ptxas's register-usage level each was built at
+
     def cpu_kernel(shape, target):  # stands for the fused, one-size, wide and tensor-core ones
+        levels.append(os.environ.get("TVM_CUDA_PTXAS_REG_LEVEL"))
         func = definition.forward(shape)
         return kernels.load_scheduled(
             shape, target, "extra", lambda: schedules.apply_default("forward", func, target)
         )
 
     monkeypatch.setenv("TVM_DEFORM_TUNED", "0")
+    monkeypatch.delenv("TVM_CUDA_PTXAS_REG_LEVEL", raising=False)
     monkeypatch.setattr(gpu_session.schedules, "tensor_cores_take", lambda *args, **options: True)
     monkeypatch.setattr(gpu_session, "compares_structures", lambda target: True)
     monkeypatch.setattr(gpu_session, "_fused_kernel", cpu_kernel)
@@ -258,6 +262,9 @@ def test_gpu_session_builds_the_extra_schedules_before_timing(monkeypatch):
     monkeypatch.setattr(gpu_session, "_wide_tile_kernel", cpu_kernel)
     kernels.clear_memory_cache()
     gpu_session._build_one(SUITE["seed"], "cpu")
+    # The fused structure and the kernel for one size, at ptxas's own level too.
+    assert levels.count(str(gpu_session.PTXAS_LEVEL)) == 2 and None in levels
+    assert "TVM_CUDA_PTXAS_REG_LEVEL" not in os.environ
     kernels.clear_memory_cache()  # the timing process finds them in the disk cache
 
     def no_compile(*args, **kwargs):
@@ -406,12 +413,16 @@ def test_the_session_times_float32_gpu_kernels_at_ptxas_own_register_level(monke
     assert gpu_session.times_register_level(demo, gpu)
     assert not gpu_session.times_register_level(dataclasses.replace(demo, dtype="float16"), gpu)
     assert not gpu_session.times_register_level(demo, cpu)
-    monkeypatch.setenv("TVM_CUDA_PTXAS_REG_LEVEL", "7")
-    seen = gpu_session._at_ptxas_level(
-        lambda shape, target: targets.compile_settings(target), demo, gpu
-    )
-    assert f"TVM_CUDA_PTXAS_REG_LEVEL={gpu_session.PTXAS_LEVEL} " in seen
-    assert os.environ["TVM_CUDA_PTXAS_REG_LEVEL"] == "7"
+    for before in ("7", None):
+        if before is None:
+            monkeypatch.delenv("TVM_CUDA_PTXAS_REG_LEVEL")
+        else:
+            monkeypatch.setenv("TVM_CUDA_PTXAS_REG_LEVEL", before)
+        seen = gpu_session._at_ptxas_level(
+            lambda shape, target: targets.compile_settings(target), demo, gpu
+        )
+        assert f"ptxas level {gpu_session.PTXAS_LEVEL}," in seen
+        assert os.environ.get("TVM_CUDA_PTXAS_REG_LEVEL") == before
 
 
 def test_per_call_times_every_route(capsys):

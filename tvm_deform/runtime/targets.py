@@ -71,9 +71,10 @@ CUDA_COMPILE_CONFIG = {"tirx.use_async_copy": True}
 
 
 #: the environment variables that change the machine code TVM's CUDA compile callback
-#: (``tvm.support.nvcc``) makes of a kernel's source: the compiler (NVRTC by default, or nvcc),
-#: ptxas's register-usage level (10 by default, where ptxas's own is 5) and other ptxas
-#: options, and fast math (on by default)
+#: (``tvm.support.nvcc``) makes of a kernel's source: the compiler (NVRTC, TVM's default, or
+#: nvcc, which :mod:`tvm_deform.env` sets where it is installed: they make other machine code),
+#: ptxas's register-usage level (TVM's default 10, where ptxas's own is 5) and other ptxas
+#: options, and fast math (always with NVRTC; with nvcc unless turned off)
 CUDA_COMPILE_SETTINGS = (
     "TVM_CUDA_COMPILE_MODE",
     "TVM_CUDA_PTXAS_REG_LEVEL",
@@ -83,22 +84,41 @@ CUDA_COMPILE_SETTINGS = (
 )
 
 
+def cuda_compile_settings(compiler: str | None = None) -> str:
+    """How TVM compiles a CUDA kernel with the environment's :data:`CUDA_COMPILE_SETTINGS` now,
+    in words, each with its effect (an unset variable and its default alike), e.g.
+    ``"compiler nvcc, ptxas level 10, ptxas options none, fast math on"``; ``compiler`` names
+    the compiler instead of ``TVM_CUDA_COMPILE_MODE``."""
+    environ = os.environ
+    compiler = compiler or (environ.get("TVM_CUDA_COMPILE_MODE") or "nvrtc").lower()
+    settings = [
+        f"compiler {compiler}",
+        f"ptxas level {environ.get('TVM_CUDA_PTXAS_REG_LEVEL') or 10}",
+        f"ptxas options {environ.get('TVM_CUDA_PTXAS_EXTRA_OPTS') or 'none'}",
+    ]
+    if compiler == "nvcc":  # (TVM reads the variable as set when it is not empty)
+        settings.append(f"fast math {'off' if environ.get('TVM_CUDA_NVCC_NO_FAST_MATH') else 'on'}")
+    else:
+        settings.append(f"NVRTC options {environ.get('TVM_CUDA_NVRTC_EXTRA_OPTS') or 'none'}")
+    return ", ".join(settings)
+
+
 def compile_settings(target: Target) -> str:
-    """The settings of :data:`CUDA_COMPILE_SETTINGS` as the environment has them now, for a
-    CUDA ``target`` (empty for any other): part of a compiled kernel's identity, so that a
-    kernel built at another register-usage level is not taken for this one."""
-    if target.kind.name != "cuda":
-        return ""
-    return " ".join(f"{name}={os.environ.get(name, '')}" for name in CUDA_COMPILE_SETTINGS)
+    """:func:`cuda_compile_settings` for a CUDA ``target``, empty for any other: part of a
+    compiled kernel's identity, so that a kernel built at another register-usage level, or by
+    the other compiler, is not taken for this one."""
+    return cuda_compile_settings() if target.kind.name == "cuda" else ""
 
 
 def nvcc_options() -> list[str]:
-    """The options TVM's CUDA compile callback gives nvcc (its ``TVM_CUDA_COMPILE_MODE=nvcc``;
-    NVRTC, its default, gets the same ptxas options and fast math), with the environment's
-    settings now (:data:`CUDA_COMPILE_SETTINGS`): ``-O3``, fast math, and ptxas at
-    register-usage level 10 with ``-v`` (its report of each kernel's registers, shared memory
-    and spills). An offline build with them makes the machine code the runtime loads."""
-    # Registers the callback; its ptxas options are read from the environment at each compile.
+    """The options TVM's CUDA compile callback gives nvcc (``TVM_CUDA_COMPILE_MODE=nvcc``, which
+    :mod:`tvm_deform.env` sets where nvcc is installed), with the environment's settings now
+    (:data:`CUDA_COMPILE_SETTINGS`): ``-O3``, fast math, and ptxas at register-usage level 10
+    with ``-v`` (its report of each kernel's registers, shared memory and spills). An offline
+    build with them makes the machine code TVM's nvcc compile makes; NVRTC makes other machine
+    code of the same source."""
+    # TVM's own list of ptxas options (a private function: kept in step by a test that compares
+    # an offline build with TVM's compile).
     from tvm.support import nvcc
 
     fast_math = [] if os.environ.get("TVM_CUDA_NVCC_NO_FAST_MATH") else ["--use_fast_math"]

@@ -296,12 +296,7 @@ def run_info(args: argparse.Namespace) -> int:
             print(f"CUDA scratch:  torch's caching allocator (shim {allocator.path})")
         else:
             print(f"CUDA scratch:  TVM's workspace pool ({workspace.unavailable_reason})")
-        compiler = os.environ.get("TVM_CUDA_COMPILE_MODE", "nvrtc").lower()
-        level = os.environ.get("TVM_CUDA_PTXAS_REG_LEVEL", "10")
-        # (NVRTC always compiles with fast math)
-        plain = compiler == "nvcc" and os.environ.get("TVM_CUDA_NVCC_NO_FAST_MATH")
-        fast = "off" if plain else "on"
-        print(f"CUDA compile:  {compiler}, ptxas register-usage level {level}, fast math {fast}")
+        print(f"CUDA compile:  {targets.cuda_compile_settings()}")
     print(f"threads:       {torch.get_num_threads()} (torch.get_num_threads)")
     cache = env.cache_dir()
     print(f"kernel cache:  {cache} ({'on' if env.cache_enabled() else 'off'})")

@@ -213,8 +213,11 @@ def propose(
         "target": json.loads(str(target)),
         "kind": target.kind.name,
         "hardware_key": key,
-        # the machine code depends on them (ptxas's register-usage level): ingest checks them
-        "compile_settings": targets.compile_settings(target),
+        # how its kernels compiled (by nvcc, whatever the environment's compiler): the machine
+        # code depends on it, and ingest checks it against how kernels compile there
+        "compile_settings": targets.cuda_compile_settings("nvcc")
+        if target.kind.name == "cuda"
+        else "",
         "ranked_by_model": trained,
         "workloads": {},
     }
@@ -481,7 +484,7 @@ def ingest(
     built_with, here = description.get("compile_settings", ""), targets.compile_settings(target)
     if built_with != here:
         warnings.warn(
-            f"the round was built with {built_with or 'nvcc defaults (an older round)'}, where "
+            f"the round was built with {built_with or 'nvcc -O3 alone (an older round)'}, where "
             f"kernels compile here with {here}: its times are of other machine code than "
             "the records' kernels will be",
             RuntimeWarning,
