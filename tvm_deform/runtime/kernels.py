@@ -944,7 +944,8 @@ def _memoised(key: tuple, load: Callable):
     (:data:`MEMOISED_SETTINGS`, part of the key, so that changing them mid-process takes
     effect)."""
     # The settings as the environment spells them: ``env.user_logs_dir()`` builds a path
-    # (15 us), too much for every call.
+    # (15 us), too much for every call. TVM's CUDA compile settings are not among them (five
+    # more lookups a call): a change to those mid-process holds for kernels not loaded yet.
     key = (*key, *(os.environ.get(name) for name in MEMOISED_SETTINGS))
     found = _memory.get(key)
     if found is not None:
