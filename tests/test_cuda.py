@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -84,7 +83,7 @@ def test_suite_builds_to_machine_code(name, arch):
 @pytest.mark.parametrize("level", [None, "5"])
 def test_offline_build_makes_the_machine_code_tvm_compiles(level, monkeypatch):
     """The offline build (what the static checks read and the tuning rounds time) gives nvcc
-    the options of TVM's own CUDA compile: the same cubin, byte for byte, at TVM's
+    the options of TVM's own nvcc compile: the same cubin, byte for byte, at TVM's
     register-usage level and at another one set in the environment."""
     from tvm.support import nvcc
 
@@ -103,17 +102,19 @@ def test_offline_build_makes_the_machine_code_tvm_compiles(level, monkeypatch):
 
 @needs_nvcc
 @pytest.mark.parametrize("chosen", [None, "nvrtc"])
-def test_kernels_compile_with_nvcc_where_it_is_installed(chosen):
+def test_kernels_compile_with_nvcc_where_it_is_installed(chosen, monkeypatch):
     """Importing the package makes nvcc TVM's CUDA compiler where it is installed (the offline
     builds' and the GPU runs' compiler), unless the user chose one."""
-    env = {k: v for k, v in os.environ.items() if k != "TVM_CUDA_COMPILE_MODE"}
+    import importlib
+
+    from tvm_deform import env
+
     if chosen:
-        env["TVM_CUDA_COMPILE_MODE"] = chosen
-    script = "import os, tvm_deform; print(os.environ['TVM_CUDA_COMPILE_MODE'])"
-    found = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
-    )
-    assert found.stdout.strip() == (chosen or "nvcc")
+        monkeypatch.setenv("TVM_CUDA_COMPILE_MODE", chosen)
+    else:
+        monkeypatch.delenv("TVM_CUDA_COMPILE_MODE", raising=False)
+    importlib.reload(env)  # what importing the package runs first
+    assert os.environ["TVM_CUDA_COMPILE_MODE"] == (chosen or "nvcc")
 
 
 def test_kernels_built_with_other_compile_settings_are_other_cache_entries(monkeypatch):
