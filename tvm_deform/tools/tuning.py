@@ -38,6 +38,7 @@ from pathlib import Path
 import tvm
 import tvm_ffi
 from tvm import s_tir
+from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 from tvm.target import Target
 
@@ -131,9 +132,21 @@ def build_candidate(mod: tvm.IRModule, target: Target, _params: dict | None) -> 
         return build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
 
 
+@derived_object
+class _CandidateBuilder(ms.builder.LocalBuilder._cls):
+    """TVM's LocalBuilder without the check it runs when it is made: a pool of worker
+    processes started (each imports TVM, torch and this package: about 6 s on a 2-core
+    machine) only to look up the build function by name. ``build_candidate`` is a Python
+    function, with no name to look up; a worker that cannot import it fails every build with
+    that error instead."""
+
+    def _sanity_check(self) -> None:
+        pass
+
+
 def local_builder() -> ms.builder.LocalBuilder:
     """Builds candidates here, one worker per core."""
-    return ms.builder.LocalBuilder(
+    return _CandidateBuilder(
         timeout_sec=300, f_build=build_candidate, max_workers=os.cpu_count() or 1
     )
 
