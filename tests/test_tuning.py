@@ -33,6 +33,7 @@ from tvm_deform.tools.tuning import (
     SIZES_NOTE,
     convergence_table,
     count_records,
+    local_builder,
     trial_history,
     tune,
 )
@@ -91,6 +92,33 @@ def check_against_reference(shape: ConvShape) -> None:
     args = (inputs["input"], inputs["offset"], inputs["weight"], inputs["bias"])
     kwargs = conv_kwargs(shape) | dict(mask=inputs["mask"])
     assert_close(deform_conv2d(*args, **kwargs), deform_conv2d_reference(*args, **kwargs), 1e-6)
+
+
+def test_candidates_build_on_threads_here_each_with_its_artifact_or_error(monkeypatch):
+    """The tuning's builder builds a batch in this process, with no pool of worker processes
+    (TVM's LocalBuilder starts one for every batch): each candidate gets its artifact, or the
+    error its build raised, in the batch's order."""
+    from tvm.s_tir.meta_schedule.builder import local_builder as tvm_local_builder
+    from tvm.script import tirx as T
+
+    def no_pool(*args, **kwargs):
+        raise AssertionError("a pool of worker processes was started")
+
+    monkeypatch.setattr(tvm_local_builder, "PopenPoolExecutor", no_pool)
+
+    @T.prim_func
+    def thread_bound(a: T.Buffer((4,), "float32")):  # no GPU threads in an LLVM build
+        for i in T.thread_binding(4, thread="threadIdx.x"):
+            a[i] = T.float32(1)
+
+    target = targets.host_target()
+    good = kernels.default_schedule(TINY, target, "forward").mod
+    batch = [good, tvm.IRModule({"main": thread_bound}), good]
+    built = local_builder().build([ms.builder.BuilderInput(mod, target) for mod in batch])
+    assert [r.error_msg is None for r in built] == [True, False, True]
+    assert all(Path(r.artifact_path).is_file() for r in (built[0], built[2]))
+    assert built[0].artifact_path != built[2].artifact_path
+    assert built[1].artifact_path is None and "Error" in built[1].error_msg
 
 
 def test_smoke_tune_runs_and_resumes(tuned):

@@ -22,6 +22,7 @@ survive.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime
 import json
@@ -40,6 +41,7 @@ import tvm_ffi
 from tvm import s_tir
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.meta_schedule.builder.local_builder import default_export
 from tvm.target import Target
 
 from tvm_deform import __version__
@@ -121,34 +123,46 @@ def _space_generator(space: str, op: str = "forward", target: Target | None = No
 
 def build_candidate(mod: tvm.IRModule, target: Target, _params: dict | None) -> tvm.runtime.Module:
     """MetaSchedule's default build, less its import of every TensorIR intrinsic library
-    (``tvm.s_tir.tensor_intrin``: over 30 s, paid by each builder worker at every batch, since
-    the builder starts new workers each time). A candidate arrives scheduled, tensorized or
-    not, so lowering it needs none of them. It is compiled as the op compiles its kernels
-    (:func:`~tvm_deform.runtime.targets.compiling`)."""
-    from tvm.driver import build
+    (``tvm.s_tir.tensor_intrin``: over 30 s in a process that has not imported it). A candidate
+    arrives scheduled, tensorized or not, so lowering it needs none of them. It is compiled as
+    the op compiles its kernels (:func:`~tvm_deform.runtime.targets.compiling`)."""
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 
     with targets.compiling(target) as target:
-        return build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
+        return tvm.tirx.build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target)
 
 
 @derived_object
-class _CandidateBuilder(ms.builder.LocalBuilder._cls):
-    """TVM's LocalBuilder without the check it runs when it is made: a pool of worker
-    processes started (each imports TVM, torch and this package: about 6 s on a 2-core
-    machine) only to look up the build function by name. ``build_candidate`` is a Python
-    function, with no name to look up; a worker that cannot import it fails every build with
-    that error instead."""
+class CandidateBuilder(ms.builder.PyBuilder):
+    """Builds a batch of MetaSchedule's candidates on threads of this process, as many at once
+    as it has cores (TVM's compiler and LLVM release the GIL), each with
+    :func:`build_candidate`, exported as TVM's default builder exports them. TVM's own
+    LocalBuilder starts a new pool of worker processes for every batch, each importing TVM,
+    torch and this package first: about 6 s a batch on a 2-core machine, more than building a
+    batch of small kernels takes. The tuning runs each task in a process of its own: a build
+    that crashes ends its task, not the tuning. A build has no time limit of its own (TVM's
+    kills a worker after 5 minutes); ``tune``'s ``time_limit`` stops the task."""
 
-    def _sanity_check(self) -> None:
-        pass
+    def __init__(self, workers: int | None = None) -> None:
+        self.workers = workers or os.cpu_count() or 1
+
+    def build(self, build_inputs: list[ms.builder.BuilderInput]) -> list[ms.builder.BuilderResult]:
+        def build_one(item: ms.builder.BuilderInput) -> ms.builder.BuilderResult:
+            try:
+                if item.params:
+                    raise ValueError("a candidate with parameters")
+                module = build_candidate(item.mod, item.target, None)
+                return ms.builder.BuilderResult(default_export(module), None)
+            except Exception as error:  # noqa: BLE001 - reported as the candidate's build error
+                return ms.builder.BuilderResult(None, f"{type(error).__name__}: {error}")
+
+        with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
+            return list(pool.map(build_one, build_inputs))
 
 
-def local_builder() -> ms.builder.LocalBuilder:
-    """Builds candidates here, one worker per core."""
-    return _CandidateBuilder(
-        timeout_sec=300, f_build=build_candidate, max_workers=os.cpu_count() or 1
-    )
+def local_builder() -> ms.builder.Builder:
+    """Builds candidates here, one thread per core."""
+    return CandidateBuilder()
 
 
 def runner_for(fleet: Fleet | None) -> ms.runner.Runner:
