@@ -11,7 +11,6 @@ stack frames, spills). A Markdown table on stdout.
 from __future__ import annotations
 
 import argparse
-import re
 import time
 
 import tvm
@@ -35,14 +34,14 @@ def build(shape: ConvShape, arch: str, any_size: bool) -> dict:
     seconds = time.perf_counter() - began
     source = "\n".join(m.inspect_source("cuda") for m in built.mod.imports if m.kind == "cuda")
     machine = cuda_build.nvcc_build(source, arch)
-    report = "\n".join(machine.kernels.values())
+    usage = machine.usage().values()
     return {
         "seconds": seconds,
-        "kernels": len(machine.kernels),
-        "shared": [int(m) for m in re.findall(r"(\d+) bytes smem", report)],
-        "registers": max(int(m) for m in re.findall(r"Used (\d+) registers", report)),
-        "spills": any(int(m) for m in re.findall(r"(\d+) bytes spill stores", report)),
-        "stack": max(int(m) for m in re.findall(r"(\d+) bytes stack frame", report)),
+        "kernels": len(usage),
+        "shared": [u.shared for u in usage if u.shared],
+        "registers": max(u.registers for u in usage),
+        "spills": any(u.spill_stores for u in usage),
+        "stack": max(u.stack for u in usage),
     }
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import re
 
 import tvm
 
@@ -61,13 +60,13 @@ def build(shape: definition.ConvShape, arch: str, sch) -> dict:
     except RuntimeError as error:
         lines = [line for line in str(error).splitlines() if "error" in line.lower()]
         return {"error": (lines or str(error).splitlines() or ["?"])[0].strip()}
-    report = "\n".join(machine.kernels.values())
+    usage = machine.usage().values()
     return {
-        "kernels": len(machine.kernels),
-        "registers": max(int(m) for m in re.findall(r"Used (\d+) registers", report)),
-        "shared": max((int(m) for m in re.findall(r"(\d+) bytes smem", report)), default=0),
-        "stack": max(int(m) for m in re.findall(r"(\d+) bytes stack frame", report)),
-        "spills": sum(int(m) for m in re.findall(r"(\d+) bytes spill stores", report)),
+        "kernels": len(usage),
+        "registers": max(u.registers for u in usage),
+        "shared": max(u.shared for u in usage),
+        "stack": max(u.stack for u in usage),
+        "spills": sum(u.spill_stores for u in usage),
     }
 
 

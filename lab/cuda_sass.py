@@ -163,15 +163,14 @@ def main(argv: list[str] | None = None) -> int:
             print(row, flush=True)
             continue
         built = nvcc_build(source, args.arch)
+        usage = built.usage()
         for kernel, code in sorted(disassemble(built.cubin, cuobjdump).items()):
-            resources = built.kernels.get(kernel, "")
-            registers = re.search(r"Used (\d+) registers", resources)
-            shared = re.search(r"(\d+) bytes smem", resources)
+            registers = usage[kernel].registers if kernel in usage else "?"
+            shared = usage[kernel].shared if kernel in usage else 0
             counts = mix(hottest_loop(code))
             share = counts.get("FFMA", 0) / max(1, counts["all"])
             row = (
-                f"| {name} | {kernel} | {registers.group(1) if registers else '?'} "
-                f"| {shared.group(1) if shared else 0} | {counts.get('FFMA', 0)} "
+                f"| {name} | {kernel} | {registers} | {shared} | {counts.get('FFMA', 0)} "
                 f"| {counts.get('HMMA', 0)} "
                 f"| {counts.get('LDS', 0) + counts.get('LDS.v', 0)} ({counts.get('LDS.v', 0)}) "
                 f"| {counts.get('LDSM', 0)} "

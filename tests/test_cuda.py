@@ -58,6 +58,25 @@ def test_cuda_target_and_hardware_key():
         targets.cuda_target("hopper")
 
 
+def test_ptxas_reports_are_read_per_kernel():
+    report = "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads; Used {}"
+    built = cuda_build.CudaBuild(
+        "sm_90",
+        b"",
+        {
+            "gemm": report.format("72 registers, used 1 barriers, 6912 bytes smem"),
+            "sample": report.format("20 registers, used 0 barriers"),
+            "spilling": "16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads; "
+            "Used 255 registers, used 0 barriers",
+        },
+    )
+    usage = built.usage()
+    assert usage["gemm"] == cuda_build.KernelUsage(72, 6912, 0, 0, 0)
+    assert usage["sample"] == cuda_build.KernelUsage(20, 0, 0, 0, 0)
+    assert usage["spilling"] == cuda_build.KernelUsage(255, 0, 16, 8, 4)
+    assert list(built.spills()) == ["spilling"]
+
+
 @needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("name", list(SUITE))
@@ -164,8 +183,8 @@ def test_kernels_for_any_size_build_to_machine_code(arch):
     for name, pixels, source, built in (b for layer in built_layers for b in layer):
         assert 2 <= len(built.kernels) <= 3, (name, pixels, list(built.kernels))
         assert not built.spills(), (name, pixels)
-        smem = re.search(r"(\d+) bytes smem", built.kernels["deform_conv2d_kernel_1"])
-        assert smem and int(smem.group(1)) <= SampleOnceCUDA().budget(target), (name, pixels)
+        smem = built.usage()["deform_conv2d_kernel_1"].shared
+        assert 0 < smem <= SampleOnceCUDA().budget(target), (name, pixels)
         # The sizes are the kernels' arguments, not constants.
         assert re.search(r"int h, int n, int w\)", source), (name, pixels)
 
@@ -202,8 +221,8 @@ def test_every_forward_structure_for_any_size_builds_to_machine_code():
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         for (name, layer, pixels, budget, _), built in pool.map(build, jobs):
             assert not built.spills(), (name, layer, pixels, built.kernels)
-            smem = [int(m) for m in re.findall(r"(\d+) bytes smem", str(built.kernels))]
-            assert smem and max(smem) <= budget, (name, layer, pixels, smem)
+            smem = max(u.shared for u in built.usage().values())
+            assert 0 < smem <= budget, (name, layer, pixels, smem)
 
 
 def test_shared_memory_stays_within_the_budget():
@@ -261,9 +280,9 @@ def test_few_output_channels_stage_within_the_shared_memory_budget(shape):
         built = kernels.compile_schedule(sch, target)
         source = "\n".join(m.inspect_source("cuda") for m in built.mod.imports if m.kind == "cuda")
         machine = cuda_build.nvcc_build(source, "sm_90")
-        staged = re.findall(r"(\d+) bytes smem", "\n".join(machine.kernels.values()))
+        staged = max(u.shared for u in machine.usage().values())
         # TVM aligns each staged buffer's start: a few bytes past the estimate
-        assert staged and max(map(int, staged)) <= estimate + 256, (staged, estimate)
+        assert 0 < staged <= estimate + 256, (staged, estimate)
 
 
 @pytest.mark.parametrize("shape", FEW_OUTPUTS[:4:2], ids=["16", "16_4groups"])
@@ -579,8 +598,7 @@ def test_the_wide_tile_builds_for_the_gpu_without_spills():
         built = cuda_build.nvcc_build(source, "sm_90")
         assert 2 <= len(built.kernels) <= 3 and not built.spills(), name
         # 64 accumulators a thread, and no more registers than a thread may have.
-        used = re.search(r"Used (\d+) registers", built.kernels["deform_conv2d_kernel_1"])
-        assert used and 64 < int(used.group(1)) <= 255, name
+        assert 64 < built.usage()["deform_conv2d_kernel_1"].registers <= 255, name
 
 
 @needs_nvcc
@@ -1339,8 +1357,8 @@ def test_random_points_of_the_cuda_backward_spaces_build_for_the_gpu():
         assert "atomic" not in source
         built = cuda_build.nvcc_build(source, "sm_90")
         assert not built.spills()
-        staged = re.findall(r"(\d+) bytes smem", "\n".join(built.kernels.values()))
-        assert len(staged) == 2 and max(map(int, staged)) <= STATIC_SHARED_MEMORY
+        staged = [u.shared for u in built.usage().values() if u.shared]
+        assert len(staged) == 2 and max(staged) <= STATIC_SHARED_MEMORY
 
 
 @needs_nvcc
@@ -1385,19 +1403,14 @@ def test_every_suite_layers_backward_for_any_size_builds_to_machine_code(arch):
     for name, source, built in built_layers:
         assert "atomic" not in source, name
         assert not built.spills(), name
-        staged = {
-            kernel: [int(m) for m in re.findall(r"(\d+) bytes smem", report)]
-            for kernel, report in built.kernels.items()
-        }
-        gemms = [b for k, v in staged.items() if k.startswith("deform_conv2d_backward") for b in v]
+        staged = {kernel: usage.shared for kernel, usage in built.usage().items()}
+        gemms = [b for k, b in staged.items() if k.startswith("deform_conv2d_backward") and b]
         if name == "seed" or name.startswith("depthwise"):  # 3 and 1 channels per group
             assert not gemms, name
         else:
             assert len(gemms) == 2 and max(gemms) <= STATIC_SHARED_MEMORY, (name, staged)
         tile = definition.GRAD_INPUT_TILE[0] * definition.GRAD_INPUT_TILE[1] * 4
-        gather = [
-            b for k, v in staged.items() if k.startswith("deform_conv2d_grad_input") for b in v
-        ]
+        gather = [b for k, b in staged.items() if k.startswith("deform_conv2d_grad_input") and b]
         assert gather == [tile * definition.grad_input_lanes(SUITE[name])], (name, staged)
         assert len(built.kernels) <= 16, (name, list(built.kernels))
 

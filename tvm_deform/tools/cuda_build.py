@@ -55,6 +55,42 @@ def any_size_sources(shape: ConvShape, arch: str) -> dict[int, str]:
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelUsage:
+    """What ptxas reported of one kernel's resources (0 where it reported nothing)."""
+
+    registers: int
+    #: bytes of static shared memory
+    shared: int
+    #: bytes of the stack frame in local memory
+    stack: int
+    #: bytes of registers spilled to local memory
+    spill_stores: int
+    spill_loads: int
+
+    @classmethod
+    def from_report(cls, line: str) -> KernelUsage:
+        """Read a kernel's resource line (see :attr:`CudaBuild.kernels`)."""
+        import re
+
+        def number(pattern: str) -> int:
+            found = re.search(pattern, line)
+            return int(found.group(1)) if found else 0
+
+        return cls(
+            registers=number(r"Used (\d+) registers"),
+            shared=number(r"(\d+) bytes smem"),
+            stack=number(r"(\d+) bytes stack frame"),
+            spill_stores=number(r"(\d+) bytes spill stores"),
+            spill_loads=number(r"(\d+) bytes spill loads"),
+        )
+
+    @property
+    def uses_local_memory(self) -> bool:
+        """Whether the kernel spills registers or keeps a stack frame in local memory."""
+        return bool(self.stack or self.spill_stores or self.spill_loads)
+
+
+@dataclasses.dataclass(frozen=True)
 class CudaBuild:
     """Machine code built by nvcc from a generated CUDA source, and what ptxas reported."""
 
@@ -64,16 +100,15 @@ class CudaBuild:
     #: bytes spill loads; Used 40 registers, used 1 barriers, ...")
     kernels: dict[str, str]
 
+    def usage(self) -> dict[str, KernelUsage]:
+        """Each kernel's resources, as ptxas reported them."""
+        return {name: KernelUsage.from_report(line) for name, line in self.kernels.items()}
+
     def spills(self) -> dict[str, str]:
         """The kernels that spill registers to local memory or keep a stack frame there, with
         their resource lines (empty when none does)."""
-        import re
-
-        return {
-            name: line
-            for name, line in self.kernels.items()
-            if re.search(r"[1-9]\d* bytes (stack frame|spill)", line)
-        }
+        usage = self.usage()
+        return {name: line for name, line in self.kernels.items() if usage[name].uses_local_memory}
 
     @property
     def machine_arch(self) -> int:
