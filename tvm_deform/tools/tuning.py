@@ -135,7 +135,7 @@ def build_candidate(mod: tvm.IRModule, target: Target, _params: dict | None) -> 
 @derived_object
 class CandidateBuilder(ms.builder.PyBuilder):
     """Builds a batch of MetaSchedule's candidates on threads of this process, as many at once
-    as it has cores (TVM's compiler and LLVM release the GIL), each with
+    as it has cores (calls into TVM's compiler release the GIL), each with
     :func:`build_candidate`, exported as TVM's default builder exports them. TVM's own
     LocalBuilder starts a new pool of worker processes for every batch, each importing TVM,
     torch and this package first: about 6 s a batch on a 2-core machine, more than building a
