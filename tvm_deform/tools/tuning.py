@@ -22,16 +22,18 @@ survive.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import datetime
 import json
+import logging
 import multiprocessing
 import os
 import platform
 import shutil
 import signal
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -132,6 +134,10 @@ def build_candidate(mod: tvm.IRModule, target: Target, _params: dict | None) -> 
         return tvm.tirx.build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target)
 
 
+#: the name of :class:`CandidateBuilder`'s threads
+BUILDER_THREAD = "candidate-builder"
+
+
 @derived_object
 class CandidateBuilder(ms.builder.PyBuilder):
     """Builds a batch of MetaSchedule's candidates on threads of this process, as many at once
@@ -139,25 +145,67 @@ class CandidateBuilder(ms.builder.PyBuilder):
     :func:`build_candidate`, exported as TVM's default builder exports them. TVM's own
     LocalBuilder starts a new pool of worker processes for every batch, each importing TVM,
     torch and this package first: about 6 s a batch on a 2-core machine, more than building a
-    batch of small kernels takes. The tuning runs each task in a process of its own: a build
-    that crashes ends its task, not the tuning. A build has no time limit of its own (TVM's
-    kills a worker after 5 minutes); ``tune``'s ``time_limit`` stops the task."""
+    batch of small kernels takes.
 
-    def __init__(self, workers: int | None = None) -> None:
+    A build that takes longer than ``timeout`` seconds (as TVM's builder allows, 5 minutes) is
+    reported as that candidate's error; its thread is left to finish on its own (a thread
+    cannot be stopped), another takes its place, and the task's process leaves without waiting
+    for it. The tuning runs each task in a process of
+    its own: a build that crashes ends its task, not the tuning."""
+
+    def __init__(self, workers: int | None = None, timeout: float = 300.0) -> None:
         self.workers = workers or os.cpu_count() or 1
+        self.timeout = timeout
 
     def build(self, build_inputs: list[ms.builder.BuilderInput]) -> list[ms.builder.BuilderResult]:
-        def build_one(item: ms.builder.BuilderInput) -> ms.builder.BuilderResult:
-            try:
-                if item.params:
-                    raise ValueError("a candidate with parameters")
-                module = build_candidate(item.mod, item.target, None)
-                return ms.builder.BuilderResult(default_export(module), None)
-            except Exception as error:  # noqa: BLE001 - reported as the candidate's build error
-                return ms.builder.BuilderResult(None, f"{type(error).__name__}: {error}")
+        results: list[ms.builder.BuilderResult | None] = [None] * len(build_inputs)
+        started: dict[int, float] = {}
+        todo = iter(range(len(build_inputs)))
+        changed = threading.Condition()
 
-        with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
-            return list(pool.map(build_one, build_inputs))
+        def work() -> None:
+            while True:
+                with changed:
+                    index = next(todo, None)
+                    if index is None:
+                        return
+                    started[index] = time.monotonic()
+                result = _build_and_export(build_inputs[index])
+                with changed:
+                    if results[index] is None:  # not given up on
+                        results[index] = result
+                    changed.notify_all()
+
+        def add_worker() -> None:
+            # A daemon thread: one still building when the process exits does not hold it up.
+            threading.Thread(target=work, name=BUILDER_THREAD, daemon=True).start()
+
+        for _ in range(min(self.workers, len(build_inputs))):
+            add_worker()
+        with changed:
+            while any(result is None for result in results):
+                now = time.monotonic()
+                building = {i: t for i, t in started.items() if results[i] is None}
+                for index, since in building.items():
+                    if now - since > self.timeout:
+                        message = f"TimeoutError: the build took over {self.timeout:g} s"
+                        results[index] = ms.builder.BuilderResult(None, message)
+                        add_worker()
+                waits = [since + self.timeout - now for since in building.values()]
+                changed.wait(max(0.01, min(waits, default=self.timeout)))
+        return results
+
+
+def _build_and_export(item: ms.builder.BuilderInput) -> ms.builder.BuilderResult:
+    """One candidate built with :func:`build_candidate` and exported, or the error that stopped
+    it."""
+    try:
+        if item.params:
+            raise ValueError("a candidate with parameters")
+        module = build_candidate(item.mod, item.target, None)
+        return ms.builder.BuilderResult(default_export(module), None)
+    except Exception as error:  # noqa: BLE001 - reported as the candidate's build error
+        return ms.builder.BuilderResult(None, f"{type(error).__name__}: {error}")
 
 
 def local_builder() -> ms.builder.Builder:
@@ -604,6 +652,13 @@ def _in_own_process_group(function, args: tuple) -> None:
     parent can stop it together with the processes it starts."""
     os.setpgrp()
     function(*args)
+    if any(t.name == BUILDER_THREAD and t.is_alive() for t in threading.enumerate()):
+        # A build given up on at its time limit still runs in TVM's compiler: tearing the
+        # interpreter down under it aborts the process, which would read as a crash.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _drop_torn_lines(directory: Path) -> None:
