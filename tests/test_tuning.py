@@ -118,7 +118,7 @@ def test_candidates_build_on_threads_here_each_with_its_artifact_or_error(monkey
     assert [r.error_msg is None for r in built] == [True, False, True]
     assert all(Path(r.artifact_path).is_file() for r in (built[0], built[2]))
     assert built[0].artifact_path != built[2].artifact_path
-    assert built[1].artifact_path is None and "Error" in built[1].error_msg
+    assert built[1].artifact_path is None and built[1].error_msg.startswith("InternalError")
 
 
 SLOW_BUILD = """
@@ -133,17 +133,17 @@ slow, good = (kernels.default_schedule(shape, target, "forward").mod for _ in ra
 build = tuning.build_candidate
 
 
-def build_slowly(mod, target, params):  # still in TVM's compiler when its time is up
-    for _ in range(100 if mod.same_as(slow) else 1):
-        module = build(mod, target, params)
-    return module
+def build_slowly(mod, target, params):  # builds until the process ends
+    while mod.same_as(slow):
+        build(mod, target, params)
+    return build(mod, target, params)
 
 
 def a_batch():
     tuning.build_candidate = build_slowly
     batch = [ms.builder.BuilderInput(mod, target) for mod in (slow, good, good, good)]
-    built = tuning.CandidateBuilder(workers=2, timeout=5).build(batch)
-    print([result.error_msg or "built" for result in built])
+    built = tuning.CandidateBuilder(workers=2, timeout=10).build(batch)
+    print(([result.error_msg or "built" for result in built], tuning._builds_left_behind()))
 
 
 tuning._in_own_process_group(a_batch, ())
@@ -163,8 +163,9 @@ def test_a_build_past_the_time_limit_is_that_candidates_error_and_the_task_ends_
         [sys.executable, "-c", SLOW_BUILD], capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    results = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    results, left_behind = ast.literal_eval(done.stdout.strip().splitlines()[-1])
     assert results[0].startswith("TimeoutError") and results[1:] == ["built"] * 3, results
+    assert left_behind  # the batch came back while the slow build ran on
 
 
 def test_smoke_tune_runs_and_resumes(tuned):
@@ -500,7 +501,7 @@ def test_a_child_stopped_at_its_deadline_takes_its_processes_and_torn_line_with_
     from tvm_deform.tools.tuning import _run_in_child
 
     # The child starts a process of its own, writes a line and a half to a database file and
-    # waits, as a tuning task stopped while its builder's workers run and it commits a record.
+    # waits, as a tuning task stopped while its runner's workers run and it commits a record.
     script = (
         f"cd {tmp_path}; sleep 60 & echo $! > pid; "
         'printf \'["a whole line"]\\n["half a li\' > database_tuning_record.json; wait'

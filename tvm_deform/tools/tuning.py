@@ -22,6 +22,7 @@ survive.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import datetime
 import json
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -172,8 +174,9 @@ class CandidateBuilder(ms.builder.PyBuilder):
                     started[index] = time.monotonic()
                 result = _build_and_export(build_inputs[index])
                 with changed:
-                    if results[index] is None:  # not given up on
-                        results[index] = result
+                    if results[index] is not None:  # given up on: another thread took its place
+                        return
+                    results[index] = result
                     changed.notify_all()
 
         def add_worker() -> None:
@@ -204,7 +207,7 @@ def _build_and_export(item: ms.builder.BuilderInput) -> ms.builder.BuilderResult
             raise ValueError("a candidate with parameters")
         module = build_candidate(item.mod, item.target, None)
         return ms.builder.BuilderResult(default_export(module), None)
-    except Exception as error:  # noqa: BLE001 - reported as the candidate's build error
+    except BaseException as error:  # noqa: BLE001 - reported as the candidate's build error
         return ms.builder.BuilderResult(None, f"{type(error).__name__}: {error}")
 
 
@@ -609,8 +612,8 @@ def _run_in_child(
     """Run ``function(*args)`` in a child process, retried once if it crashes (MetaSchedule has
     been seen to segfault while setting up; records already written survive). At ``deadline``
     (a ``time.monotonic()`` value) the child is killed with every process it started (the
-    builder's and runner's workers), a partial line it was writing to one of ``databases`` is
-    cut off, and False is returned."""
+    runner's workers), a partial line it was writing to one of ``databases`` is cut off, and
+    False is returned."""
     for attempt in range(2):
         process = context.Process(target=_in_own_process_group, args=(function, args))
         process.start()
@@ -651,14 +654,29 @@ def _in_own_process_group(function, args: tuple) -> None:
     """A child's entry point: ``function(*args)`` in a process group of its own, so that the
     parent can stop it together with the processes it starts."""
     os.setpgrp()
-    function(*args)
-    if any(t.name == BUILDER_THREAD and t.is_alive() for t in threading.enumerate()):
+    try:
+        function(*args)
+    except BaseException:
+        if not _builds_left_behind():
+            raise
+        traceback.print_exc()
+        code = 1
+    else:
+        code = 0
+    if _builds_left_behind():
         # A build given up on at its time limit still runs in TVM's compiler: tearing the
-        # interpreter down under it aborts the process, which would read as a crash.
+        # interpreter down under it aborts the process, which would read as a crash. Leave
+        # without tearing down, every output flushed (databases are closed at each commit).
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        ctypes.CDLL(None).fflush(None)
+        os._exit(code)
+
+
+def _builds_left_behind() -> bool:
+    """Whether a thread of :class:`CandidateBuilder` is still building."""
+    return any(t.name == BUILDER_THREAD and t.is_alive() for t in threading.enumerate())
 
 
 def _drop_torn_lines(directory: Path) -> None:
