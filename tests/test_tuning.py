@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import shutil
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -20,6 +21,7 @@ from conftest import assert_close
 from reference import deform_conv2d_reference
 from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
+from tvm.target import Target
 
 from tvm_deform import deform_conv2d, schedules
 from tvm_deform.ir import definition
@@ -121,8 +123,36 @@ def test_candidates_build_on_threads_here_each_with_its_artifact_or_error(monkey
     assert built[1].artifact_path is None and built[1].error_msg.startswith("InternalError")
 
 
+def test_targets_with_llvm_options_build_one_at_a_time(monkeypatch):
+    """LLVM's command-line options (a target's ``cl-opt``) belong to the process: candidates
+    for such a target build one after another, others side by side."""
+    from tvm_deform.tools import tuning
+
+    module = tuning.build_candidate(
+        kernels.default_schedule(TINY, targets.host_target(), "forward").mod,
+        targets.host_target(),
+        None,
+    )
+    threads = set()
+
+    def build(mod, target, params):
+        threads.add(threading.get_ident())
+        time.sleep(0.3)  # long enough for a second thread to take the next candidate
+        return module
+
+    monkeypatch.setattr(tuning, "build_candidate", build)
+    mod = kernels.default_schedule(TINY, targets.host_target(), "forward").mod
+    for options, expected in (([], 2), (["-unroll-threshold=100"], 1)):
+        target = Target({**targets.host_target().export(), "cl-opt": options})
+        threads.clear()
+        built = tuning.CandidateBuilder(workers=2).build([ms.builder.BuilderInput(mod, target)] * 4)
+        assert all(r.error_msg is None for r in built)
+        assert len(threads) == expected, options
+
+
 SLOW_BUILD = """
 from tvm.s_tir import meta_schedule as ms
+from tvm.target import Target
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import kernels, targets
 from tvm_deform.tools import tuning

@@ -152,7 +152,8 @@ class CandidateBuilder(ms.builder.PyBuilder):
     A build that takes longer than ``timeout`` seconds (as TVM's builder allows, 5 minutes) is
     reported as that candidate's error; its thread is left to finish on its own (a thread
     cannot be stopped), another takes its place, and the task's process leaves without waiting
-    for it. The tuning runs each task in a process of
+    for it. Targets that set LLVM's command-line options (``cl-opt``, the process's) build one
+    at a time. The tuning runs each task in a process of
     its own: a build that crashes ends its task, not the tuning."""
 
     def __init__(self, workers: int | None = None, timeout: float = 300.0) -> None:
@@ -183,7 +184,10 @@ class CandidateBuilder(ms.builder.PyBuilder):
             # A daemon thread: one still building when the process exits does not hold it up.
             threading.Thread(target=work, name=BUILDER_THREAD, daemon=True).start()
 
-        for _ in range(min(self.workers, len(build_inputs))):
+        workers = self.workers
+        if any(_llvm_options(item.target) for item in build_inputs):
+            workers = 1  # LLVM's command-line options are the process's: one build at a time
+        for _ in range(min(workers, len(build_inputs))):
             add_worker()
         with changed:
             while any(result is None for result in results):
@@ -197,6 +201,11 @@ class CandidateBuilder(ms.builder.PyBuilder):
                 waits = [since + self.timeout - now for since in building.values()]
                 changed.wait(max(0.01, min(waits, default=self.timeout)))
         return results
+
+
+def _llvm_options(target: Target) -> bool:
+    """Whether ``target`` or its host gives LLVM command-line options (``cl-opt``)."""
+    return any(t is not None and t.attrs.get("cl-opt") for t in (target, target.host))
 
 
 def _build_and_export(item: ms.builder.BuilderInput) -> ms.builder.BuilderResult:
