@@ -299,7 +299,6 @@ def _moved_record(shape: ConvShape, target, op: str, rule: str | None = None):
     """A record of ``shape``'s ``op``: its first design space on ``target`` (of the rule named
     ``rule``, where given) with every sampled choice moved one candidate back from the rule's
     own (or to the last)."""
-    from tvm import s_tir
     from tvm.s_tir import meta_schedule as ms
 
     from tvm_deform.runtime import records
@@ -309,13 +308,8 @@ def _moved_record(shape: ConvShape, target, op: str, rule: str | None = None):
     space = next((sch for name, sch in spaces if rule in (None, name)), None)
     if space is None:
         raise ValueError(f"{rule or 'no rule'} has no design space of {op} for {shape}")
-    decisions = {
-        inst: (int(decision) - 1) % len(inst.attrs[0])
-        for inst, decision in space.trace.decisions.items()
-    }
-    sch = s_tir.Schedule(mod)
-    s_tir.Trace(space.trace.insts, decisions).apply_to_schedule(sch, remove_postproc=False)
-    tuning = ms.database.TuningRecord(sch.trace, ms.database.Workload(mod), [1e-3], target)
+    trace = schedules.other_choices(mod, space)
+    tuning = ms.database.TuningRecord(trace, ms.database.Workload(mod), [1e-3], target)
     key = f"{target.kind.name}/moved"
     return records.TunedRecord(Path("."), key, "handwritten", 1.0, tuning)
 

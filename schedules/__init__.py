@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 
-from tvm import s_tir, tirx
+from tvm import IRModule, s_tir, tirx
 from tvm.s_tir.schedule import Instruction, Trace
 from tvm.target import Target
 from tvm_deform.schedules.common import lanes
@@ -398,6 +398,22 @@ def _answered(
     sch = s_tir.Schedule(func)
     Trace(steps, decisions).apply_to_schedule(sch, remove_postproc=True)
     return sch, taken
+
+
+def other_choices(mod: IRModule, space: s_tir.Schedule) -> s_tir.Trace:
+    """The trace of ``space`` (a design space of ``mod``, as its rule gave it) with each
+    sampled choice moved from the rule's own candidate to the one before it (the first to the
+    last): a schedule of the same space that is not the default, e.g. to check that a tuned
+    record's choices carry over."""
+    decisions = {
+        inst: (int(decision) - 1) % len(inst.attrs[0])
+        for inst, decision in space.trace.decisions.items()
+    }
+    if not decisions:
+        raise ValueError("a design space with no choices")
+    sch = s_tir.Schedule(mod)
+    Trace(space.trace.insts, decisions).apply_to_schedule(sch, remove_postproc=False)
+    return sch.trace
 
 
 def replay(func: tirx.PrimFunc, trace: s_tir.Trace) -> s_tir.Schedule | None:

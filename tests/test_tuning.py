@@ -244,8 +244,8 @@ def choose_the_tuned_record(
     """Logs in ``tmp_path`` copied from ``out`` whose decision through the op chose the tuned
     record of ``TINY``'s ``op`` (20% faster than the default), in use, with kernels for any
     size. The best record of the tuned space is made the first design space with other
-    choices than the rules' own (:func:`other_choices`), so that the test does not depend on
-    which of the smoke tune's few trials came out best."""
+    choices than the rules' own (:func:`schedules.other_choices`), so that the test does not
+    depend on which of the smoke tune's few trials came out best."""
     target = targets.host_target()
     key = targets.hardware_key(target)
     shutil.copytree(out, tmp_path / "logs")
@@ -253,7 +253,7 @@ def choose_the_tuned_record(
     records.unpack_database(handwritten)  # edited in place below
     db = ms.database.JSONDatabase(work_dir=str(handwritten), allow_missing=False)
     mod = records.workload_module(TINY, op)
-    trace = other_choices(mod, schedules.design_spaces(op, mod["main"], target)[0])
+    trace = schedules.other_choices(mod, schedules.design_spaces(op, mod["main"], target)[0])
     arguments = ms.arg_info.ArgInfo.from_prim_func(mod["main"])
     db.commit_tuning_record(
         ms.database.TuningRecord(trace, db.commit_workload(mod), [1e-9], target, arguments)
@@ -274,19 +274,6 @@ def choose_the_tuned_record(
     assert str(chosen.record.trace) == str(trace)
     assert TINY in records.tuned_shapes(target, op)
     return chosen
-
-
-def other_choices(mod: tvm.IRModule, space: s_tir.Schedule) -> s_tir.Trace:
-    """The trace of ``space`` (a design space of ``mod`` as generated) with each sampled
-    choice moved from the rules' own value to the previous candidate (or the last)."""
-    decisions = {
-        inst: (int(decision) - 1) % len(inst.attrs[0])
-        for inst, decision in space.trace.decisions.items()
-    }
-    assert decisions, "a design space with no choices"
-    sch = s_tir.Schedule(mod)
-    s_tir.Trace(space.trace.insts, decisions).apply_to_schedule(sch, remove_postproc=False)
-    return sch.trace
 
 
 def chosen_values(sch: s_tir.Schedule) -> list[int]:
