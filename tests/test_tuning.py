@@ -103,6 +103,8 @@ def test_candidates_build_on_threads_here_each_with_its_artifact_or_error(monkey
     from tvm.s_tir.meta_schedule.builder import local_builder as tvm_local_builder
     from tvm.script import tirx as T
 
+    from tvm_deform.tools.tuning import _builds_left_behind
+
     def no_pool(*args, **kwargs):
         raise AssertionError("a pool of worker processes was started")
 
@@ -121,6 +123,7 @@ def test_candidates_build_on_threads_here_each_with_its_artifact_or_error(monkey
     assert all(Path(r.artifact_path).is_file() for r in (built[0], built[2]))
     assert built[0].artifact_path != built[2].artifact_path
     assert built[1].artifact_path is None and built[1].error_msg.startswith("InternalError")
+    assert not _builds_left_behind()  # the batch's threads have ended
 
 
 def test_targets_with_llvm_options_build_one_at_a_time(monkeypatch):
@@ -128,21 +131,17 @@ def test_targets_with_llvm_options_build_one_at_a_time(monkeypatch):
     for such a target build one after another, others side by side."""
     from tvm_deform.tools import tuning
 
-    module = tuning.build_candidate(
-        kernels.default_schedule(TINY, targets.host_target(), "forward").mod,
-        targets.host_target(),
-        None,
-    )
     threads = set()
+    build_candidate = tuning.build_candidate
 
     def build(mod, target, params):
         threads.add(threading.get_ident())
         time.sleep(0.3)  # long enough for a second thread to take the next candidate
-        return module
+        return build_candidate(mod, target, params)
 
     monkeypatch.setattr(tuning, "build_candidate", build)
     mod = kernels.default_schedule(TINY, targets.host_target(), "forward").mod
-    for options, expected in (([], 2), (["-unroll-threshold=100"], 1)):
+    for options, expected in (([], 2), (["-unroll-threshold:int=100"], 1)):
         target = Target({**targets.host_target().export(), "cl-opt": options})
         threads.clear()
         built = tuning.CandidateBuilder(workers=2).build([ms.builder.BuilderInput(mod, target)] * 4)

@@ -153,8 +153,8 @@ class CandidateBuilder(ms.builder.PyBuilder):
     reported as that candidate's error; its thread is left to finish on its own (a thread
     cannot be stopped), another takes its place, and the task's process leaves without waiting
     for it. Targets that set LLVM's command-line options (``cl-opt``, the process's) build one
-    at a time. The tuning runs each task in a process of
-    its own: a build that crashes ends its task, not the tuning."""
+    at a time. The tuning runs each task in a process of its own: a build that crashes ends its
+    task, not the tuning."""
 
     def __init__(self, workers: int | None = None, timeout: float = 300.0) -> None:
         self.workers = workers or os.cpu_count() or 1
@@ -163,6 +163,8 @@ class CandidateBuilder(ms.builder.PyBuilder):
     def build(self, build_inputs: list[ms.builder.BuilderInput]) -> list[ms.builder.BuilderResult]:
         results: list[ms.builder.BuilderResult | None] = [None] * len(build_inputs)
         started: dict[int, float] = {}
+        building: dict[threading.Thread, int] = {}  # each thread's candidate
+        given_up: set[int] = set()
         todo = iter(range(len(build_inputs)))
         changed = threading.Condition()
 
@@ -173,6 +175,7 @@ class CandidateBuilder(ms.builder.PyBuilder):
                     if index is None:
                         return
                     started[index] = time.monotonic()
+                    building[threading.current_thread()] = index
                 result = _build_and_export(build_inputs[index])
                 with changed:
                     if results[index] is not None:  # given up on: another thread took its place
@@ -182,7 +185,11 @@ class CandidateBuilder(ms.builder.PyBuilder):
 
         def add_worker() -> None:
             # A daemon thread: one still building when the process exits does not hold it up.
-            threading.Thread(target=work, name=BUILDER_THREAD, daemon=True).start()
+            thread = threading.Thread(target=work, name=BUILDER_THREAD, daemon=True)
+            thread.start()
+            threads.append(thread)
+
+        threads: list[threading.Thread] = []
 
         workers = self.workers
         if any(_llvm_options(item.target) for item in build_inputs):
@@ -192,14 +199,18 @@ class CandidateBuilder(ms.builder.PyBuilder):
         with changed:
             while any(result is None for result in results):
                 now = time.monotonic()
-                building = {i: t for i, t in started.items() if results[i] is None}
-                for index, since in building.items():
+                running = {i: t for i, t in started.items() if results[i] is None}
+                for index, since in running.items():
                     if now - since > self.timeout:
                         message = f"TimeoutError: the build took over {self.timeout:g} s"
                         results[index] = ms.builder.BuilderResult(None, message)
+                        given_up.add(index)
                         add_worker()
-                waits = [since + self.timeout - now for since in building.values()]
+                waits = [since + self.timeout - now for since in running.values()]
                 changed.wait(max(0.01, min(waits, default=self.timeout)))
+            left = [t for t in threads if building.get(t) not in given_up]
+        for thread in left:  # each has nothing left to build
+            thread.join()
         return results
 
 
