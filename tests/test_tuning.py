@@ -151,7 +151,6 @@ def test_targets_with_llvm_options_build_one_at_a_time(monkeypatch):
 
 SLOW_BUILD = """
 from tvm.s_tir import meta_schedule as ms
-from tvm.target import Target
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import kernels, targets
 from tvm_deform.tools import tuning
