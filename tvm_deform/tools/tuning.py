@@ -146,7 +146,7 @@ class CandidateBuilder(ms.builder.PyBuilder):
     as it has cores (calls into TVM's compiler release the GIL), each with
     :func:`build_candidate`, exported as TVM's default builder exports them. TVM's own
     LocalBuilder starts a new pool of worker processes for every batch, each importing TVM,
-    torch and this package first: about 6 s a batch on a 2-core machine, more than building a
+    torch and this package first: about 6 s a batch on a 2-core AMD Zen 4, more than building a
     batch of small kernels takes.
 
     A build that takes longer than ``timeout`` seconds (as TVM's builder allows, 5 minutes) is
