@@ -15,7 +15,7 @@ import pytest
 from conftest import assert_close
 from reference import deform_conv2d_reference
 
-from tvm_deform import deform_conv2d
+from tvm_deform import deform_conv2d, env
 from tvm_deform.ir.definition import ConvShape
 from tvm_deform.runtime import diskcache, kernels, targets
 from tvm_deform.runtime.inputs import conv_kwargs, random_inputs
@@ -61,12 +61,13 @@ def kernel_file(shape: ConvShape) -> Path:
         "TVM_DEFORM_SIZES",
         "TVM_DEFORM_LAUNCHER",
         "TVM_DEFORM_MEASURE",
+        "TVM_DEFORM_TUNED",
     ],
 )
 def test_a_kernel_in_memory_is_loaded_again_when_a_setting_changes(setting, monkeypatch):
     """A kernel remembered in memory under one value of a setting that chooses kernels (the
-    logs, the sizes, the thread pool, timing records) is not what the process runs after
-    the setting changes: it is loaded again, and again remembered."""
+    logs, the sizes, the thread pool, timing records, tuning) is not what the process runs
+    after the setting changes: it is loaded again, and again remembered."""
     loads = []
     key = ("test", setting)
     monkeypatch.setenv(setting, "0")
@@ -77,6 +78,28 @@ def test_a_kernel_in_memory_is_loaded_again_when_a_setting_changes(setting, monk
     finally:
         kernels.clear_memory_cache()
     assert loads == ["0", "1"]
+
+
+def test_a_snapshot_follows_the_environment(monkeypatch):
+    """The values a memoised key holds change whenever a variable is set, changed or unset
+    through ``os.environ``, and equal for equal settings; with ``os.environ`` replaced by
+    another mapping, they are read from that one."""
+    snapshot = env.Snapshot("TVM_DEFORM_TEST_A", "TVM_DEFORM_TEST_B")
+    monkeypatch.delenv("TVM_DEFORM_TEST_A", raising=False)
+    monkeypatch.delenv("TVM_DEFORM_TEST_B", raising=False)
+    unset = snapshot.values()
+    assert unset == (None, None)
+    monkeypatch.setenv("TVM_DEFORM_TEST_B", "1")
+    one = snapshot.values()
+    monkeypatch.setenv("TVM_DEFORM_TEST_B", "2")
+    two = snapshot.values()
+    assert len({unset, one, two}) == 3 and one[0] is None
+    monkeypatch.setenv("TVM_DEFORM_TEST_B", "1")
+    assert snapshot.values() == one
+    monkeypatch.delenv("TVM_DEFORM_TEST_B")
+    assert snapshot.values() == unset
+    monkeypatch.setattr(os, "environ", {"TVM_DEFORM_TEST_A": "x"})
+    assert snapshot.values() == ("x", None)
 
 
 def test_kernels_are_sealed_with_their_digest(cache_dir):

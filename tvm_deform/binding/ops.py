@@ -518,13 +518,11 @@ def _eager_route(tensors: tuple) -> str | None:
         or torch.autograd.profiler._is_profiler_enabled
     ):
         return None
-    below_autograd = torch._C._dispatch_tls_local_exclude_set().has(
-        torch._C.DispatchKey.AutogradFunctionality
-    )  # inside another op's implementation, where autograd records nothing either
-    records = torch.is_grad_enabled() and not below_autograd
-    if records and any(t is not None and t.requires_grad for t in tensors):
-        return None if torch.autograd.forward_ad._current_level >= 0 else "autograd"
-    return "direct"
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors):
+        return "direct"
+    if torch._C._dispatch_tls_local_exclude_set().has(torch._C.DispatchKey.AutogradFunctionality):
+        return "direct"  # inside another op's implementation, where autograd records nothing
+    return None if torch.autograd.forward_ad._current_level >= 0 else "autograd"
 
 
 def deform_conv2d_with_offset_grad_rule(

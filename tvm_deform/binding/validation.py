@@ -92,7 +92,10 @@ def check_arguments(
     The checks read only what :func:`_signature` collects, so arguments with the signature of
     arguments that passed are not checked again; failures are never remembered."""
     key = _signature((input, offset, weight, bias, mask), stride, padding, dilation)
-    shape = _checked.get(key) if key is not None else None
+    try:
+        shape = _checked.get(key) if key is not None else None
+    except TypeError:  # unhashable: a SymInt size or stride (checked every time)
+        key = shape = None
     if shape is None:
         shape = _check_arguments(input, offset, weight, bias, mask, stride, padding, dilation)
         if key is not None:
@@ -104,21 +107,16 @@ def check_arguments(
 
 def _signature(tensors: tuple, stride: Pair, padding: Pair, dilation: Pair) -> tuple | None:
     """Everything the checks read: each tensor's type, shape, dtype and device (None for an
-    absent one) and the geometry; None where an argument is not a tensor or a size is symbolic
-    (those are checked every time)."""
+    absent one) and the geometry; None where an argument is not a tensor. (A symbolic size
+    makes the key unhashable: such calls are checked every time.)"""
     if not all(t is None or isinstance(t, torch.Tensor) for t in tensors):
         return None
-    key = (
+    return (
         *(None if t is None else (type(t), t.shape, t.dtype, t.device) for t in tensors),
         stride,
         padding,
         dilation,
     )
-    try:
-        hash(key)
-    except TypeError:  # a SymInt size or stride
-        return None
-    return key
 
 
 def _check_arguments(

@@ -233,8 +233,9 @@ def run_backward(
         images, target = shape.batch, None
         if compiled is None:
             target = device_target(input.device)
-            # Dispatch reads the tuning logs only for the kernels of every gradient.
-            tuned = env.tuned_enabled() and gradients == definition.ALL_GRADIENTS
+            # Dispatch reads the tuning logs only for the kernels of every gradient (None:
+            # as TVM_DEFORM_TUNED says, read only where a GPU's columns could be too large).
+            tuned = None if gradients == definition.ALL_GRADIENTS else False
             images = images_per_call(shape, target, "backward", tuned)
             if images >= shape.batch:
                 compiled = kernels.get_backward(shape, target, gradients=gradients)

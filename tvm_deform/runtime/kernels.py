@@ -18,7 +18,6 @@ import importlib
 import inspect
 import json
 import logging
-import os
 import shutil
 import tempfile
 import threading
@@ -377,19 +376,20 @@ def get_kernel(
     else the default one (``tuned`` as in :func:`resolve`); an NHWC kernel (channels_last input,
     CPU) runs its default schedule, which samples the input in place."""
     target = target or host_target()
-    tuned = env.tuned_enabled() if tuned is None else tuned
 
     def load() -> Kernel:
+        # ``TVM_DEFORM_TUNED`` is part of the memoised key (not read at every call).
+        use_tuned = env.tuned_enabled() if tuned is None else tuned
         if target.kind.name == "llvm":
             launcher.prepare()  # built meanwhile, if this call compiles
-        if any_size(shape, target, tuned, layout):
-            return _any_size_kernel(shape, target, layout, tuned)
+        if any_size(shape, target, use_tuned, layout):
+            return _any_size_kernel(shape, target, layout, use_tuned)
         op = "forward" if layout == "NCHW" else f"forward_{layout.lower()}"
-        key = _index_key(op, shape, target, tuned and layout == "NCHW")
+        key = _index_key(op, shape, target, use_tuned and layout == "NCHW")
         module = _from_index(key)
         if module is not None:
             return module["deform_conv2d"]
-        record = resolve(shape, target, tuned) if layout == "NCHW" else None
+        record = resolve(shape, target, use_tuned) if layout == "NCHW" else None
         kernel = load_kernel(shape, target, record, layout)
         _add_to_index(key, cache_path(shape, target, _schedule_name(record), op))
         return kernel
@@ -623,20 +623,20 @@ def get_backward(
     schedule the logs hold for it if any; one that leaves gradients out runs its default
     schedule (it skips whole stages, which is worth more than a tuned schedule of them)."""
     target = target or host_target()
-    tuned = env.tuned_enabled() if tuned is None else tuned
 
     def load() -> BackwardKernels:
+        use_tuned = env.tuned_enabled() if tuned is None else tuned  # as in get_kernel
         if target.kind.name == "llvm":
             launcher.prepare()  # built meanwhile, if this call compiles
         every = gradients == definition.ALL_GRADIENTS
-        if any_size(shape, target, tuned and every, op="backward"):
-            return _any_size_backward(shape, target, gradients, tuned)
+        if any_size(shape, target, use_tuned and every, op="backward"):
+            return _any_size_backward(shape, target, gradients, use_tuned)
         op = "backward" if every else f"backward_{gradients.name}"
-        key = _index_key(op, shape, target, tuned and every)
+        key = _index_key(op, shape, target, use_tuned and every)
         module = _from_index(key)
         if module is not None:
             return _backward_kernels(module, shape, target, gradients)
-        record = resolve(shape, target, tuned, "backward") if every else None
+        record = resolve(shape, target, use_tuned, "backward") if every else None
         found = load_backward(shape, target, record, gradients)
         _add_to_index(key, cache_path(shape, target, _schedule_name(record), op))
         return found
@@ -936,17 +936,19 @@ MEMOISED_SETTINGS = (
     "TVM_DEFORM_SIZES",
     "TVM_DEFORM_LAUNCHER",
     "TVM_DEFORM_MEASURE",
+    "TVM_DEFORM_TUNED",
 )
+_settings = env.Snapshot(*MEMOISED_SETTINGS)
 
 
 def _memoised(key: tuple, load: Callable):
-    """``load()``, once per ``key`` and per log, size, pool and timing settings
+    """``load()``, once per ``key`` and per log, size, pool, timing and tuning settings
     (:data:`MEMOISED_SETTINGS`, part of the key, so that changing them mid-process takes
     effect)."""
     # The settings as the environment spells them: ``env.user_logs_dir()`` builds a path
-    # (15 us), too much for every call. TVM's CUDA compile settings are not among them (five
-    # more lookups a call): a change to those mid-process holds for kernels not loaded yet.
-    key = (*key, *(os.environ.get(name) for name in MEMOISED_SETTINGS))
+    # (15 us), too much for every call. TVM's CUDA compile settings are not among them: a
+    # change to those mid-process holds for kernels not loaded yet.
+    key = (*key, *_settings.values())
     found = _memory.get(key)
     if found is not None:
         return found
