@@ -5,16 +5,17 @@
 # with the second part there and the session on the CPU (--device cpu --quick). Runs in a
 # clone of the repository (its committed tree, as a device call carries it) in a scratch
 # directory, with this checkout's .venv first on PATH (torch comes from there, as from the GPU
-# image there).
-#   bash lab/rehearse_gpu_session.sh [OUT_DIR]
+# image there), or the virtual environment VENV names (e.g. one with the GPU machine's torch).
+#   [VENV=DIR] bash lab/rehearse_gpu_session.sh [OUT_DIR]
 set -euo pipefail
 root=$(pwd)
+venv=$(realpath "${VENV:-$root/.venv}")
 work=$(mktemp -d)
 out=${1:-$work/out}
 trap 'rm -rf "$work/repo" /tmp/site /tmp/gpu-stash' EXIT
 git clone -q "$root" "$work/repo"
 cd "$work/repo"
-export PATH="$root/.venv/bin:$PATH"
+export PATH="$venv/bin:$PATH"
 version=$(python3 -c 'import sys; print(f"{sys.version_info.major}.{sys.version_info.minor}")')
 bash lab/pack_gpu_wheels.sh "$version"
 # A small round of candidates for this CPU (built by this checkout's tvm-deform, on PATH),
