@@ -4,6 +4,10 @@ tracing and feature extraction, TorchScript (cases ported from torchvision's Tes
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import pytest
@@ -236,3 +240,38 @@ def test_the_eager_autograd_path_gives_the_ops_numbers_and_gradients(rule):
         assert ops._eager_route(tuple(leaves)) == "direct"
         inner = deform_conv2d_with_offset_grad_rule(*leaves[:4], *geometry, leaves[4], rule)
         assert inner.grad_fn is None and torch.equal(inner, eager)
+
+
+def test_eager_calls_leave_torchs_compiler_stack_unimported():
+    """Importing the package and eager calls, with and without autograd, do not import
+    ``torch._dynamo`` (about a second); a call through the op (here under autocast) still
+    works, and imports it as torch's custom ops do."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import torch
+        import tvm_deform
+        loaded = lambda: "torch._dynamo" in sys.modules
+        states = [loaded()]
+        x, w = torch.rand(1, 3, 6, 6), torch.rand(4, 3, 3, 3, requires_grad=True)
+        offset, mask = torch.randn(1, 18, 6, 6), torch.rand(1, 9, 6, 6)
+        with torch.no_grad():
+            tvm_deform.deform_conv2d(x, offset, w, padding=1, mask=mask)
+        tvm_deform.deform_conv2d(x, offset, w, padding=1, mask=mask).sum().backward()
+        states.append(loaded())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = tvm_deform.deform_conv2d(x, offset, w, padding=1, mask=mask)
+        states.append(loaded())
+        print(states, out.dtype, w.grad is not None)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=os.environ.copy(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split("\n")[-2] == "[False, False, True] torch.float32 True"

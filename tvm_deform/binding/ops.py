@@ -12,11 +12,6 @@ from typing import NamedTuple
 
 import torch
 
-# torch runs a custom op's implementation inside ``torch._compile._disable_dynamo``, which
-# imports ``torch._dynamo`` at the first call of any custom op: a second or more, which would
-# land on the first image a model sees. Imported here, with the package, instead.
-import torch._dynamo  # noqa: F401
-
 from tvm_deform import env
 from tvm_deform.binding.validation import ArgumentError, as_pair, check_arguments
 from tvm_deform.ir import definition
@@ -28,6 +23,13 @@ from tvm_deform.runtime.calls import device_target, is_channels_last, run_backwa
 # the measured dispatch and the benchmarks) and are re-exported here for the callers that run a
 # chosen kernel through the op's argument layout.
 __all__ = ["deform_conv2d", "device_target", "run_backward", "run_forward"]
+
+# torch runs a custom op's implementation inside ``torch._compile._disable_dynamo``, which
+# imports ``torch._dynamo`` (about 1.1 s on a 2-core Zen 4) at the first call of any custom op.
+# It is not imported here: eager calls skip the op (see :func:`_eager_route`) and never need
+# it, so only a process whose calls go through the op (autocast, tracing, compiling, the
+# profiler, TorchScript) pays for it, once, at its first such call; ``torchvision.ops`` imports
+# it anyway.
 
 
 def _op_shape(input, offset, weight, bias, mask, *params: int) -> ConvShape:
