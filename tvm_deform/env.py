@@ -38,25 +38,25 @@ class Snapshot:
 
     def __init__(self, *names: str):
         self.names = names
-        self._environ: object = None
-        self._get = None
-        self._keys: tuple = ()
+        #: (the os.environ it reads, its mapping's ``get`` or None, the encoded names), set in
+        #: one assignment: threads may read it while another binds it
+        self._bound: tuple | None = None
 
     def values(self) -> tuple:
         environ = os.environ
-        if environ is not self._environ:  # first use, or os.environ replaced
-            self._bind(environ)
-        if self._get is None:
+        bound = self._bound
+        if bound is None or bound[0] is not environ:  # first use, or os.environ replaced
+            bound = self._bound = self._bind(environ)
+        _, get, keys = bound
+        if get is None:
             return tuple([environ.get(name) for name in self.names])
-        return tuple(map(self._get, self._keys))
+        return tuple(map(get, keys))
 
-    def _bind(self, environ) -> None:
-        self._environ = environ
+    def _bind(self, environ) -> tuple:
         data, encode = getattr(environ, "_data", None), getattr(environ, "encodekey", None)
         if isinstance(data, dict) and callable(encode):
-            self._get, self._keys = data.get, tuple(encode(name) for name in self.names)
-        else:
-            self._get, self._keys = None, ()
+            return environ, data.get, tuple(encode(name) for name in self.names)
+        return environ, None, ()
 
 
 def _flag(name: str, default: bool) -> bool:
