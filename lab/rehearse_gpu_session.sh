@@ -10,6 +10,7 @@
 set -euo pipefail
 root=$(pwd)
 venv=$(realpath "${VENV:-$root/.venv}")
+if [[ ! -x $venv/bin/python3 ]]; then echo "no virtual environment at $venv" >&2; exit 1; fi
 work=$(mktemp -d)
 out=${1:-$work/out}
 trap 'rm -rf "$work/repo" /tmp/site /tmp/gpu-stash' EXIT

@@ -53,10 +53,9 @@ class Snapshot:
         return tuple(map(get, keys))
 
     def _bind(self, environ) -> tuple:
-        data, encode = getattr(environ, "_data", None), getattr(environ, "encodekey", None)
-        if isinstance(data, dict) and callable(encode):
-            return environ, data.get, tuple(encode(name) for name in self.names)
-        return environ, None, ()
+        if type(environ) is getattr(os, "_Environ", None) and isinstance(environ._data, dict):
+            return environ, environ._data.get, tuple(map(environ.encodekey, self.names))
+        return environ, None, ()  # another mapping, or another Python: through its ``get``
 
 
 def _flag(name: str, default: bool) -> bool:

@@ -28,8 +28,8 @@ __all__ = ["deform_conv2d", "device_target", "run_backward", "run_forward"]
 # imports ``torch._dynamo`` (about 1.1 s on a 2-core Zen 4) at the first call of any custom op.
 # It is not imported here: eager calls skip the op (see :func:`_eager_route`) and never need
 # it, so only a process whose calls go through the op (autocast, tracing, compiling, the
-# profiler, TorchScript) pays for it, once, at its first such call; ``torchvision.ops`` imports
-# it anyway.
+# profiler, TorchScript, modes, functorch transforms, forward-mode AD) pays for it, once, at
+# its first such call; ``torchvision.ops`` imports it anyway.
 
 
 def _op_shape(input, offset, weight, bias, mask, *params: int) -> ConvShape:
@@ -487,7 +487,22 @@ def _checked_call(
         return _forward(*tensors, *geometry, offset_grad_rule=offset_grad_rule)
     if route == "autograd":
         return _EagerAutograd.apply(*tensors, geometry, offset_grad_rule)
+    if torch.autograd.forward_ad._current_level >= 0:
+        _check_no_tangents(tensors)
     return torch.ops.tvm_deform.deform_conv2d(*tensors, *geometry, offset_grad_rule)
+
+
+def _check_no_tangents(tensors: tuple) -> None:
+    """Forward-mode AD has no rule for the op: torch would drop the tangents of dual tensors
+    without a word (it does so for torchvision's op), leaving the output's tangent unset."""
+    names = ("input", "offset", "weight", "bias", "mask")
+    for name, tensor in zip(names, tensors, strict=True):
+        if isinstance(tensor, torch.Tensor) and not isinstance(tensor, torch.fx.Proxy):
+            if torch.autograd.forward_ad.unpack_dual(tensor).tangent is not None:
+                raise NotImplementedError(
+                    f"tvm_deform.deform_conv2d has no forward-mode AD: {name} is a dual tensor "
+                    "with a tangent (use reverse mode, backward() or torch.autograd.grad)"
+                )
 
 
 #: the tensor types whose calls may skip the dispatcher (not subclasses, fakes or proxies)
@@ -518,13 +533,14 @@ def _eager_route(tensors: tuple) -> str | None:
         or torch._C._len_torch_dispatch_stack() > 0
         or torch._C._functorch.peek_interpreter_stack() is not None
         or torch.autograd.profiler._is_profiler_enabled
+        or torch.autograd.forward_ad._current_level >= 0  # dual tensors may carry tangents
     ):
         return None
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors):
         return "direct"
     if torch._C._dispatch_tls_local_exclude_set().has(torch._C.DispatchKey.AutogradFunctionality):
         return "direct"  # inside another op's implementation, where autograd records nothing
-    return None if torch.autograd.forward_ad._current_level >= 0 else "autograd"
+    return "autograd"
 
 
 def deform_conv2d_with_offset_grad_rule(

@@ -119,7 +119,8 @@ def prepare_backward(shape: ConvShape, target: Target, gradients: definition.Gra
     every = gradients == definition.ALL_GRADIENTS
     if shape.batch == 0 or not kernels.any_size(shape, target, tuned and every, op="backward"):
         return
-    _worker.submit(lambda: kernels.get_backward(shape, target, tuned, gradients))
+    # tuned=None, as the backward's own call: TVM_DEFORM_TUNED is part of the memoised key.
+    _worker.submit(lambda: kernels.get_backward(shape, target, None, gradients))
 
 
 def wait() -> None:
