@@ -721,7 +721,9 @@ def time_backward(layers: dict[str, ConvShape], device: str, runs: int = 10) -> 
 def host_cost(device: str, layers: Sequence[str] = ("seed", "demo_64x56x56"), calls: int = 200):
     """The CPU time one call takes on the host (``time.thread_time``, no synchronisation
     inside the timed calls) of the public op and of torchvision's, per layer: the launch and
-    bookkeeping cost a GPU user pays on every call however fast the kernels are."""
+    bookkeeping cost a GPU user pays on every call however fast the kernels are. On a GPU,
+    also the part of ours that a CPU call does not have: entering and leaving the device and
+    stream contexts around the kernels' launch."""
     import torchvision.ops
 
     suite, rows = load_suite(), []
@@ -732,17 +734,39 @@ def host_cost(device: str, layers: Sequence[str] = ("seed", "demo_64x56x56"), ca
             PUBLIC_OP: lambda args=args: deform_conv2d(**args),
         }
         for label, call in calls_of.items():
-            with torch.no_grad():
-                for _ in range(10):
-                    call()
-                _synchronize(device)
-                began = time.thread_time()
-                for _ in range(calls):
-                    call()
-                spent = time.thread_time() - began
-                _synchronize(device)
-            rows.append({"layer": name, "implementation": label, "host_us": spent / calls * 1e6})
+            host_us = _host_us(call, device, calls)
+            rows.append({"layer": name, "implementation": label, "host_us": host_us})
+    if device == "cuda":
+        import tvm_ffi
+
+        gpu = torch.device("cuda", torch.cuda.current_device())
+
+        def contexts():
+            with torch.cuda.device(gpu), tvm_ffi.use_torch_stream():
+                pass
+
+        row = {"layer": "-", "implementation": "device and stream contexts alone"}
+        try:
+            row["host_us"] = _host_us(contexts, device, calls)
+        except Exception as error:  # noqa: BLE001 - a failure is a result
+            row |= {"host_us": None, "failure": repr(error)[:300]}
+        rows.append(row)
     return rows
+
+
+def _host_us(call: Callable[[], object], device: str, calls: int) -> float:
+    """Microseconds of the host's CPU time a call of ``call`` takes (after 10 warm-up calls,
+    without synchronising between the timed calls)."""
+    with torch.no_grad():
+        for _ in range(10):
+            call()
+        _synchronize(device)
+        began = time.thread_time()
+        for _ in range(calls):
+            call()
+        spent = time.thread_time() - began
+        _synchronize(device)
+    return spent / calls * 1e6
 
 
 def profile_kernels(
