@@ -37,7 +37,8 @@ call cut short keeps what was done; the exit code is non-zero if any step failed
 6. backward: per workload in float32, the backward alone (every gradient) of the public op,
    of torchvision's and of cuDNN's dense ``conv2d``, medians of CUDA-event timings, our
    gradients checked against torchvision's;
-7. host cost: the CPU time of one call of ours and of torchvision's, unsynchronised;
+7. host cost: the CPU time of one call of ours and of torchvision's, unsynchronised, and on a
+   GPU that of the device and stream contexts around our launch alone;
 8. profile: where a training step's time goes, kernel by kernel, on a few suite layers
    (``PROFILED``, float32): the device time of each kernel a forward and backward of ours and
    of torchvision's launch (``torch.profiler``'s CUDA activity, which records every kernel the
