@@ -497,12 +497,14 @@ def _check_no_tangents(tensors: tuple) -> None:
     without a word (it does so for torchvision's op), leaving the output's tangent unset."""
     names = ("input", "offset", "weight", "bias", "mask")
     for name, tensor in zip(names, tensors, strict=True):
-        if isinstance(tensor, torch.Tensor) and not isinstance(tensor, torch.fx.Proxy):
-            if torch.autograd.forward_ad.unpack_dual(tensor).tangent is not None:
-                raise NotImplementedError(
-                    f"tvm_deform.deform_conv2d has no forward-mode AD: {name} is a dual tensor "
-                    "with a tangent (use reverse mode, backward() or torch.autograd.grad)"
-                )
+        if (
+            isinstance(tensor, torch.Tensor)
+            and torch.autograd.forward_ad.unpack_dual(tensor).tangent is not None
+        ):
+            raise NotImplementedError(
+                f"tvm_deform.deform_conv2d has no forward-mode AD: {name} is a dual tensor "
+                "with a tangent (use reverse mode, backward() or torch.autograd.grad)"
+            )
 
 
 #: the tensor types whose calls may skip the dispatcher (not subclasses, fakes or proxies)
